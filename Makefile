@@ -1,0 +1,38 @@
+# ddp-recipes: `make train` and `make test` do all the set-up on a fresh clone.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+NPROC  ?= 2
+ARGS   ?=
+
+.DEFAULT_GOAL := help
+.PHONY: help install train test lint format clean
+
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)  ## create .venv and install the project with its dev tools
+
+train: $(STAMP)  ## train on the embedded digits with NPROC (default 2) processes; ARGS= for overrides
+	$(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) train.py $(ARGS)
+
+test: $(STAMP)  ## run the whole test suite
+	$(BIN)/python -m pytest $(ARGS)
+
+lint: $(STAMP)  ## ruff check and format check
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(STAMP)  ## apply ruff's fixes and formatting
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+clean:  ## remove the venv, caches and run outputs
+	rm -rf $(VENV) outputs multirun .pytest_cache .ruff_cache *.egg-info
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -1,0 +1,1 @@
+"""Building blocks for the ddp-recipes entry scripts."""

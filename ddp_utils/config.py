@@ -1,0 +1,208 @@
+"""Typed configuration: dataclass schemas registered in Hydra's ConfigStore.
+
+Hydra merges the YAML in ``conf/`` onto these schemas, so an unknown key or a value of the
+wrong type fails at composition, naming the key. Values of the right type but outside their
+range are checked by ``validate`` and raise ``ConfigError`` (a ``ValueError``) naming the key
+and the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+MODELS = ("convnet", "mlp", "resnet18")
+DATASETS = ("digits", "mnist", "fashion_mnist", "cifar10", "synthetic")
+OPTIMIZERS = ("sgd", "adamw")
+SCHEDULERS = ("none", "cosine", "step", "onecycle")
+PRECISIONS = ("32", "bf16", "fp16")
+DEVICES = ("auto", "cpu", "cuda")
+BACKENDS = ("auto", "nccl", "gloo")
+SPLITS = ("train", "val")
+
+
+class ConfigError(ValueError):
+    """A user's mistake in the configuration, on the command line or in an input file.
+
+    ``rank_specific`` marks an error that only some ranks see, so each of them reports it.
+    """
+
+    def __init__(self, message: str, *, rank_specific: bool = False) -> None:
+        super().__init__(message)
+        self.rank_specific = rank_specific
+
+
+@dataclass
+class ModelConfig:
+    name: str = "convnet"
+    channels: list[int] = field(default_factory=lambda: [16, 32])  # convnet blocks
+    hidden: int = 256  # mlp
+    batch_norm: bool = True  # convnet; off gives a model whose DDP math is BN-free
+
+
+@dataclass
+class DataConfig:
+    name: str = "digits"
+    root: str = "data"
+    download: bool = False
+    batch_size: int = 100  # per process
+    num_workers: int = 0
+    split: str = "val"  # which split eval.py scores
+    # What the model is sized for; each data config declares its own.
+    in_channels: int = 1
+    image_size: int = 8
+    num_classes: int = 10
+    mean: list[float] = field(default_factory=lambda: [0.5])
+    std: list[float] = field(default_factory=lambda: [0.5])
+    val_fraction: float = 0.2  # digits: share held out for validation
+    split_seed: int = 0  # digits: fixed split, independent of the training seed
+    augment: bool = False  # cifar10: random crop with padding and horizontal flip
+    num_train: int = 8000  # synthetic
+    num_val: int = 2000  # synthetic
+
+
+@dataclass
+class OptimConfig:
+    name: str = "sgd"
+    lr: float = 0.02
+    momentum: float = 0.9
+    nesterov: bool = False
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+
+
+@dataclass
+class SchedConfig:
+    name: str = "none"
+    warmup_steps: int = 0  # linear warmup from warmup_start_factor * lr
+    warmup_start_factor: float = 0.1
+    min_lr: float = 0.0  # cosine
+    step_epochs: int = 10  # step: decay every this many epochs
+    gamma: float = 0.1  # step
+    pct_start: float = 0.3  # onecycle
+
+
+@dataclass
+class TrainerConfig:
+    epochs: int = 10
+    max_steps: int | None = None  # optimizer steps; null = no cap
+    precision: str = "32"
+    sync_bn: bool = False
+    grad_accum_steps: int = 1
+    grad_clip: float | None = None  # max global grad norm; null = off
+    compile: bool = False
+    device: str = "auto"
+    backend: str = "auto"
+    timeout_s: float = 300.0  # process-group init and collective timeout
+    log_every_steps: int = 50
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    sched: SchedConfig = field(default_factory=SchedConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    seed: int = 0
+    run_dir: str | None = None  # null = outputs/<date>_<torchrun run id>
+
+
+@dataclass
+class EvalConfig(TrainConfig):
+    checkpoint: str = "???"
+    output: str | None = None  # null = <run dir of the checkpoint>/eval.json
+
+
+def register_configs() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="train_schema", node=TrainConfig)
+    cs.store(name="eval_schema", node=EvalConfig)
+    for group, node in (
+        ("model", ModelConfig),
+        ("data", DataConfig),
+        ("optim", OptimConfig),
+        ("sched", SchedConfig),
+        ("trainer", TrainerConfig),
+    ):
+        cs.store(group=group, name=f"{group}_schema", node=node)
+
+
+def _choice(key: str, value: str, options: tuple[str, ...]) -> None:
+    if value not in options:
+        raise ConfigError(f"{key}={value!r} is not one of {', '.join(options)}; pick one of those.")
+
+
+def _positive(key: str, value: float | int | None, *, allow_zero: bool = False) -> None:
+    if value is None:
+        return
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"{key}={value} is out of range: it must be {bound}.")
+
+
+def validate(cfg: TrainConfig) -> TrainConfig:
+    """Check value ranges the schema's types cannot express; raise ConfigError naming the key."""
+    m, d, o, s, t = cfg.model, cfg.data, cfg.optim, cfg.sched, cfg.trainer
+    _choice("model.name", m.name, MODELS)
+    _choice("data.name", d.name, DATASETS)
+    _choice("data.split", d.split, SPLITS)
+    _choice("optim.name", o.name, OPTIMIZERS)
+    _choice("sched.name", s.name, SCHEDULERS)
+    _choice("trainer.precision", t.precision, PRECISIONS)
+    _choice("trainer.device", t.device, DEVICES)
+    _choice("trainer.backend", t.backend, BACKENDS)
+    for key, value in (
+        ("optim.lr", o.lr),
+        ("data.batch_size", d.batch_size),
+        ("data.in_channels", d.in_channels),
+        ("data.image_size", d.image_size),
+        ("data.num_classes", d.num_classes),
+        ("data.num_train", d.num_train),
+        ("data.num_val", d.num_val),
+        ("model.hidden", m.hidden),
+        ("trainer.epochs", t.epochs),
+        ("trainer.max_steps", t.max_steps),
+        ("trainer.grad_accum_steps", t.grad_accum_steps),
+        ("trainer.grad_clip", t.grad_clip),
+        ("trainer.timeout_s", t.timeout_s),
+        ("trainer.log_every_steps", t.log_every_steps),
+        ("sched.step_epochs", s.step_epochs),
+    ):
+        _positive(key, value)
+    for key, value in (
+        ("data.num_workers", d.num_workers),
+        ("optim.weight_decay", o.weight_decay),
+        ("optim.momentum", o.momentum),
+        ("sched.warmup_steps", s.warmup_steps),
+        ("sched.min_lr", s.min_lr),
+    ):
+        _positive(key, value, allow_zero=True)
+    if not 0.0 < d.val_fraction < 1.0:
+        raise ConfigError(f"data.val_fraction={d.val_fraction} must lie strictly between 0 and 1.")
+    if len(d.mean) != d.in_channels or len(d.std) != d.in_channels:
+        raise ConfigError(
+            f"data.mean and data.std need one value per channel (data.in_channels="
+            f"{d.in_channels}); got {len(d.mean)} and {len(d.std)}."
+        )
+    if m.name == "convnet" and d.image_size < 4:
+        raise ConfigError(f"model=convnet pools twice: data.image_size={d.image_size} must be >= 4.")
+    if not m.channels or any(c < 1 for c in m.channels):
+        raise ConfigError(f"model.channels={m.channels} needs positive channel counts.")
+    if s.name == "onecycle" and s.warmup_steps:
+        raise ConfigError(
+            "sched=onecycle warms up by itself (sched.pct_start): set sched.warmup_steps=0."
+        )
+    if not 0.0 < s.warmup_start_factor <= 1.0:
+        raise ConfigError("sched.warmup_start_factor must lie in (0, 1].")
+    return cfg
+
+
+def to_schema(cfg: DictConfig, schema: type = TrainConfig) -> Any:
+    """Turn a composed DictConfig into its validated dataclass object."""
+    obj = OmegaConf.to_object(cfg)
+    assert isinstance(obj, schema), f"config did not compose onto {schema.__name__}"
+    return validate(obj)

@@ -1,0 +1,174 @@
+"""The one home for distributed state and helpers.
+
+``Runtime`` holds the facts of this process (rank, device, ...). It is built once by
+``init_distributed`` and passed explicitly; nothing is written onto the config.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ddp_utils.config import ConfigError, TrainerConfig
+
+
+@dataclass(frozen=True)
+class Runtime:
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_local_main(self) -> bool:
+        return self.local_rank == 0
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """What the launcher (torchrun, or none) told this process."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    master_addr: str | None = None
+    master_port: int | None = None
+    run_id: str | None = None
+
+    @property
+    def launched(self) -> bool:
+        return self.master_addr is not None
+
+
+def read_launch_env(env: dict[str, str] | None = None) -> LaunchEnv:
+    """Read torchrun's variables; without them this is a single process of world size 1."""
+    env = os.environ if env is None else env
+    if "RANK" not in env or "WORLD_SIZE" not in env:
+        return LaunchEnv()
+    world_size = int(env["WORLD_SIZE"])
+    return LaunchEnv(
+        rank=int(env["RANK"]),
+        local_rank=int(env.get("LOCAL_RANK", "0")),
+        world_size=world_size,
+        local_world_size=int(env.get("LOCAL_WORLD_SIZE", str(world_size))),
+        master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+        master_port=int(env.get("MASTER_PORT", "29500")),
+        run_id=env.get("TORCHELASTIC_RUN_ID"),
+    )
+
+
+def pick_device(cfg: TrainerConfig, launch: LaunchEnv) -> torch.device:
+    want = cfg.device
+    has_cuda = torch.cuda.is_available()
+    if want == "cuda" and not has_cuda:
+        raise ConfigError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu.")
+    if want == "cpu" or not has_cuda:
+        return torch.device("cpu")
+    n_gpus = torch.cuda.device_count()
+    if launch.local_world_size > n_gpus:
+        raise ConfigError(
+            f"{launch.local_world_size} processes on this node but only {n_gpus} GPU(s): "
+            f"launch with --nproc_per_node={n_gpus} or set trainer.device=cpu."
+        )
+    return torch.device("cuda", launch.local_rank)
+
+
+def pick_backend(cfg: TrainerConfig, device: torch.device) -> str:
+    if cfg.backend != "auto":
+        if cfg.backend == "nccl" and device.type != "cuda":
+            raise ConfigError("trainer.backend=nccl needs CUDA devices; use trainer.backend=gloo.")
+        return cfg.backend
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_distributed(cfg: TrainerConfig, env: dict[str, str] | None = None) -> Runtime:
+    """Set the device, then join the process group (a group of one without torchrun)."""
+    launch = read_launch_env(env)
+    device = pick_device(cfg, launch)
+    backend = pick_backend(cfg, device)
+    if device.type == "cuda":
+        # Before the process group: NCCL binds each rank to the current device.
+        torch.cuda.set_device(device)
+    timeout = timedelta(seconds=cfg.timeout_s)
+    if not dist.is_initialized():
+        if launch.launched:
+            dist.init_process_group(
+                backend,
+                init_method="env://",
+                rank=launch.rank,
+                world_size=launch.world_size,
+                timeout=timeout,
+                device_id=device if device.type == "cuda" else None,
+            )
+        else:
+            # A one-process group keeps DDP and torchmetrics on the same code path as torchrun.
+            store = dist.HashStore()
+            dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+    return Runtime(
+        rank=launch.rank,
+        local_rank=launch.local_rank,
+        world_size=launch.world_size,
+        local_world_size=launch.local_world_size,
+        device=device,
+        backend=backend,
+    )
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def distributed(cfg: TrainerConfig) -> Iterator[Runtime]:
+    """Join the process group for the body; leave it on every exit path."""
+    try:
+        yield init_distributed(cfg)
+    finally:
+        shutdown()
+
+
+def barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Every rank gets rank ``src``'s object."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+@contextlib.contextmanager
+def local_main_first(rt: Runtime) -> Iterator[None]:
+    """Let local rank 0 prepare per-node files (downloads, caches) while the others wait."""
+    if not rt.is_local_main:
+        barrier()
+    try:
+        yield
+    finally:
+        if rt.is_local_main:
+            barrier()

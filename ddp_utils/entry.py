@@ -1,0 +1,35 @@
+"""What the entry scripts share: a clean exit on users' mistakes."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from collections.abc import Iterator
+
+from ddp_utils.config import ConfigError
+from ddp_utils.dist import read_launch_env
+
+USER_ERROR_EXIT = 2
+NON_MAIN_EXIT_DELAY_S = 2.0
+
+
+@contextlib.contextmanager
+def exit_on_user_error() -> Iterator[None]:
+    """Turn a ConfigError into one message and exit code 2, with no traceback.
+
+    Every rank reaches the same config, data and checkpoint, so it raises the same error: only
+    global rank 0 prints it, unless the error says it is this rank's alone.
+    """
+    try:
+        yield
+    except ConfigError as e:
+        rank = read_launch_env().rank
+        if rank == 0 or e.rank_specific:
+            prefix = f"[rank {rank}] " if rank else ""
+            print(f"{prefix}error: {e}", file=sys.stderr, flush=True)
+        else:
+            # torchrun stops the whole group as soon as one worker exits: give rank 0 time
+            # to print the shared message first.
+            time.sleep(NON_MAIN_EXIT_DELAY_S)
+        sys.exit(USER_ERROR_EXIT)

@@ -1,0 +1,100 @@
+"""The run directory that every rank shares, and the rank-aware files written into it."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from ddp_utils.config import ConfigError
+from ddp_utils.dist import Runtime, barrier, broadcast_object, read_launch_env
+
+LOGGER_NAME = "ddp_recipes"
+log = logging.getLogger(LOGGER_NAME)
+
+
+def _default_run_dir(base: Path, run_id: str | None) -> Path:
+    """outputs/<date>_<run id>: reuse the folder of this run id, so a restart finds it again."""
+    if run_id:
+        tag = run_id[:8]
+        existing = sorted(base.glob(f"*_{tag}")) if base.is_dir() else []
+        if existing:
+            return existing[-1]
+        return base / f"{time.strftime('%Y-%m-%d_%H-%M-%S')}_{tag}"
+    return base / time.strftime("%Y-%m-%d_%H-%M-%S")
+
+
+def resolve_run_dir(run_dir: str | None, rt: Runtime) -> Path:
+    """One folder for all ranks: the main rank names and creates it, the others are told.
+
+    Resolving a timestamp on each rank separately would make one folder per rank, so only the
+    main rank decides. Every rank must see the folder: ``run_dir`` has to be on a filesystem
+    shared by all nodes.
+    """
+    path: Path | None = None
+    if rt.is_main:
+        run_id = read_launch_env().run_id
+        if run_id == "none":  # torchrun without --rdzv-id or --standalone
+            run_id = None
+        path = Path(run_dir) if run_dir else _default_run_dir(Path("outputs"), run_id)
+        path.mkdir(parents=True, exist_ok=True)
+    path = Path(broadcast_object(str(path) if path else None))
+    barrier()
+    if not path.is_dir():
+        raise ConfigError(
+            f"rank {rt.rank} cannot see run_dir={path}: put run_dir on a filesystem that every "
+            "node shares (run_dir=/shared/path/...).",
+            rank_specific=True,
+        )
+    return path
+
+
+class _RankPrefix(logging.Formatter):
+    def __init__(self, rank: int) -> None:
+        super().__init__(f"[rank {rank}] %(levelname)s %(message)s")
+
+
+def setup_logging(run_dir: Path | None, rt: Runtime, name: str = "train") -> logging.Logger:
+    """Main rank: INFO to stdout and ``<name>.log``. Others: warnings and errors only, to stderr
+    and ``<name>.rank<N>.log`` (created only if something is written)."""
+    log.handlers.clear()
+    log.propagate = False
+    log.setLevel(logging.INFO)
+    if rt.is_main:
+        console = logging.StreamHandler(sys.stdout)
+        console.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(console)
+        if run_dir is not None:
+            f = logging.FileHandler(run_dir / f"{name}.log")
+            f.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+            log.addHandler(f)
+    else:
+        console = logging.StreamHandler(sys.stderr)
+        console.setLevel(logging.WARNING)
+        console.setFormatter(_RankPrefix(rt.rank))
+        log.addHandler(console)
+        if run_dir is not None:
+            f = logging.FileHandler(run_dir / f"{name}.rank{rt.rank}.log", delay=True)
+            f.setLevel(logging.WARNING)
+            f.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+            log.addHandler(f)
+    return log
+
+
+def write_config(run_dir: Path, cfg: Any, rt: Runtime) -> None:
+    if rt.is_main:
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+
+
+def append_metrics(run_dir: Path, record: dict[str, Any], rt: Runtime) -> None:
+    if rt.is_main:
+        with open(run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+            os.fsync(f.fileno())

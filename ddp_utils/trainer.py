@@ -1,0 +1,241 @@
+"""The training phases: build the DDP model, train one epoch, validate, checkpoint."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from omegaconf import OmegaConf
+from torch import nn
+from torch.nn import functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ddp_utils.checkpoint import save_on_main
+from ddp_utils.config import ConfigError, TrainConfig, TrainerConfig
+from ddp_utils.data import DataBundle, build_data
+from ddp_utils.dist import Runtime, all_reduce_sum
+from ddp_utils.metrics import evaluate
+from ddp_utils.models import build_model
+from ddp_utils.optim import build_optimizer, build_scheduler
+from ddp_utils.run import append_metrics, log, resolve_run_dir, setup_logging, write_config
+
+AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def amp_context(precision: str, device: torch.device) -> Callable[[], AbstractContextManager]:
+    """A factory of autocast contexts for ``precision`` (a no-op for full precision)."""
+    if precision == "32":
+        return contextlib.nullcontext
+    dtype = AMP_DTYPES[precision]
+    return lambda: torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def check_runtime(cfg: TrainerConfig, rt: Runtime) -> None:
+    """Refuse what this device cannot do before anything is written."""
+    if cfg.sync_bn and rt.device.type != "cuda":
+        raise ConfigError(
+            "trainer.sync_bn=true needs CUDA: DDP refuses SyncBatchNorm on CPU modules. "
+            "Set trainer.sync_bn=false on CPU (or use a model without BatchNorm)."
+        )
+
+
+def wrap_ddp(raw_model: nn.Module, cfg: TrainerConfig, rt: Runtime) -> nn.Module:
+    """SyncBatchNorm if asked, DDP, and optionally torch.compile; returns the training module."""
+    check_runtime(cfg, rt)
+    if cfg.sync_bn:
+        raw_model = nn.SyncBatchNorm.convert_sync_batchnorm(raw_model)
+    raw_model.to(rt.device)
+    device_ids = [rt.device.index] if rt.device.type == "cuda" else None
+    model: nn.Module = DDP(raw_model, device_ids=device_ids)
+    if cfg.compile:
+        model = torch.compile(model)
+    return model
+
+
+@dataclass
+class Training:
+    """Everything one run holds; ``raw_model`` is the unwrapped module inside ``model``."""
+
+    cfg: TrainConfig
+    rt: Runtime
+    run_dir: Path
+    raw_model: nn.Module
+    model: nn.Module
+    data: DataBundle
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+    amp: Callable[[], AbstractContextManager]
+    steps_per_epoch: int
+    total_steps: int
+    epoch: int = 0
+    step: int = 0
+    best_accuracy: float = -1.0
+
+
+def build_training(cfg: TrainConfig, rt: Runtime, run_dir: Path) -> Training:
+    t = cfg.trainer
+    # The same seed on every rank for the weights (DDP also broadcasts rank 0's), then a
+    # per-rank seed so augmentation and dropout differ between ranks.
+    seed_everything(cfg.seed)
+    raw_model = build_model(cfg.model, cfg.data)
+    model = wrap_ddp(raw_model, t, rt)
+    raw_model = model.module if isinstance(model, DDP) else model._orig_mod.module
+    seed_everything(cfg.seed + rt.rank)
+    data = build_data(cfg.data, rt, seed=cfg.seed)
+    steps_per_epoch = math.ceil(len(data.train) / t.grad_accum_steps)
+    total_steps = t.epochs * steps_per_epoch
+    if t.max_steps is not None:
+        total_steps = min(total_steps, t.max_steps)
+    optimizer = build_optimizer(cfg.optim, raw_model)
+    return Training(
+        cfg=cfg,
+        rt=rt,
+        run_dir=run_dir,
+        raw_model=raw_model,
+        model=model,
+        data=data,
+        optimizer=optimizer,
+        scheduler=build_scheduler(
+            cfg.sched, optimizer, cfg.optim.lr, total_steps, steps_per_epoch
+        ),
+        scaler=torch.amp.GradScaler(rt.device.type, enabled=t.precision == "fp16"),
+        amp=amp_context(t.precision, rt.device),
+        steps_per_epoch=steps_per_epoch,
+        total_steps=total_steps,
+    )
+
+
+def optimizer_step(tr: Training) -> None:
+    if tr.cfg.trainer.grad_clip is not None:
+        tr.scaler.unscale_(tr.optimizer)
+        nn.utils.clip_grad_norm_(tr.raw_model.parameters(), tr.cfg.trainer.grad_clip)
+    tr.scaler.step(tr.optimizer)
+    tr.scaler.update()
+    tr.optimizer.zero_grad(set_to_none=True)
+    tr.scheduler.step()
+    tr.step += 1
+
+
+def train_one_epoch(tr: Training) -> dict[str, float]:
+    """One pass over this rank's shard; returns the loss averaged over all ranks' samples."""
+    loader, accum, device = tr.data.train, tr.cfg.trainer.grad_accum_steps, tr.rt.device
+    loader.sampler.set_epoch(tr.epoch)
+    tr.model.train()
+    # Accumulated on the device and reduced once per epoch: no host sync on the per-step path.
+    totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, sample count
+    n_batches, start = len(loader), time.perf_counter()
+    for i, (images, labels) in enumerate(loader):
+        group_start = i - i % accum
+        group_len = min(accum, n_batches - group_start)
+        last_micro = i == group_start + group_len - 1
+        images = tr.data.preprocess_train(images.to(device, non_blocking=True))
+        labels = labels.to(device, non_blocking=True)
+        # Only the last micro-batch of a group all-reduces its gradients.
+        sync = contextlib.nullcontext() if last_micro else tr.model.no_sync()
+        with sync:
+            with tr.amp():
+                loss = F.cross_entropy(tr.model(images).float(), labels)
+            tr.scaler.scale(loss / group_len).backward()
+        totals[0] += loss.detach() * labels.numel()
+        totals[1] += labels.numel()
+        if last_micro:
+            optimizer_step(tr)
+            if tr.step % tr.cfg.trainer.log_every_steps == 0:
+                log.info("epoch %d step %d lr %.4g", tr.epoch, tr.step, current_lr(tr))
+            if reached_max_steps(tr):
+                break
+    all_reduce_sum(totals)
+    elapsed = time.perf_counter() - start
+    loss_sum, count = totals.tolist()
+    return {"train/loss": loss_sum / max(count, 1), "samples_per_s": count / elapsed}
+
+
+def current_lr(tr: Training) -> float:
+    return tr.optimizer.param_groups[0]["lr"]
+
+
+def reached_max_steps(tr: Training) -> bool:
+    return tr.cfg.trainer.max_steps is not None and tr.step >= tr.cfg.trainer.max_steps
+
+
+def checkpoint_state(tr: Training) -> dict[str, Any]:
+    """Plain tensors and containers only, so ``torch.load(weights_only=True)`` reads it."""
+    return {
+        "model": tr.raw_model.state_dict(),
+        "optimizer": tr.optimizer.state_dict(),
+        "scheduler": tr.scheduler.state_dict(),
+        "scaler": tr.scaler.state_dict(),
+        "epoch": tr.epoch,
+        "step": tr.step,
+        "best_accuracy": tr.best_accuracy,
+        "world_size": tr.rt.world_size,
+        "config": OmegaConf.to_container(OmegaConf.structured(tr.cfg), resolve=True),
+    }
+
+
+def validate_and_save(tr: Training, train_stats: dict[str, float]) -> dict[str, Any]:
+    """Score the epoch on every rank, log it, and write last.pt (and best.pt) from the main rank."""
+    val = evaluate(tr.raw_model, tr.data.val, tr.data.preprocess_eval, tr.rt,
+                   tr.cfg.data.num_classes, tr.amp)
+    record = {
+        "epoch": tr.epoch,
+        "step": tr.step,
+        "lr": current_lr(tr),
+        **train_stats,
+        "val/accuracy": val["accuracy"],
+        "val/loss": val["loss"],
+        "val/f1_macro": val["f1_macro"],
+        "val/num_samples": val["num_samples"],
+    }
+    append_metrics(tr.run_dir, record, tr.rt)
+    is_best = val["accuracy"] > tr.best_accuracy
+    if is_best:
+        tr.best_accuracy = val["accuracy"]
+    ckpt_dir = tr.run_dir / "checkpoints"
+    paths = [ckpt_dir / "last.pt"] + ([ckpt_dir / "best.pt"] if is_best else [])
+    save_on_main(checkpoint_state(tr), paths, tr.rt)
+    log.info(
+        "epoch %d | step %d | train/loss %.4f | val/loss %.4f | val/accuracy %.4f (%d samples) "
+        "| %.0f samples/s",
+        tr.epoch, tr.step, record["train/loss"], val["loss"], val["accuracy"],
+        val["num_samples"], record["samples_per_s"],
+    )
+    return record
+
+
+def fit(cfg: TrainConfig, rt: Runtime) -> float:
+    """Train for ``trainer.epochs`` (or ``trainer.max_steps``); return the last val accuracy."""
+    check_runtime(cfg.trainer, rt)
+    run_dir = resolve_run_dir(cfg.run_dir, rt)
+    setup_logging(run_dir, rt, "train")
+    write_config(run_dir, cfg, rt)
+    tr = build_training(cfg, rt, run_dir)
+    t = cfg.trainer
+    log.info(
+        "run_dir %s | world size %d | device %s | backend %s | global batch %d "
+        "(%d per process x %d processes x %d accumulation steps) | %d steps",
+        run_dir, rt.world_size, rt.device, rt.backend,
+        cfg.data.batch_size * rt.world_size * t.grad_accum_steps,
+        cfg.data.batch_size, rt.world_size, t.grad_accum_steps, tr.total_steps,
+    )
+    record: dict[str, Any] = {}
+    while tr.epoch < t.epochs and not reached_max_steps(tr):
+        record = validate_and_save(tr, train_one_epoch(tr))
+        tr.epoch += 1
+    return float(record.get("val/accuracy", float("nan")))

@@ -1,0 +1,99 @@
+"""Config composition: every option of every group composes and validates; mistakes fail."""
+
+from __future__ import annotations
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import ConfigKeyError, ValidationError
+
+from conftest import ROOT
+from ddp_utils.config import ConfigError, EvalConfig, TrainConfig, register_configs, to_schema
+
+register_configs()
+GROUPS = ("model", "data", "optim", "sched", "trainer", "experiment")
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (ROOT / "conf" / group).glob("*.yaml"))
+
+
+def compose_train(*overrides: str, name: str = "train"):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        return compose(config_name=name, overrides=list(overrides))
+
+
+@pytest.mark.parametrize(
+    "group,option", [(g, o) for g in GROUPS for o in options(g)], ids=lambda v: str(v)
+)
+def test_every_option_composes_and_validates(group, option):
+    cfg = to_schema(compose_train(f"{group}={option}"))
+    assert isinstance(cfg, TrainConfig)
+    if group in ("model", "data", "optim", "sched"):
+        assert getattr(cfg, group).name == option
+
+
+def test_defaults_are_the_embedded_digits_with_the_tutorial_convnet():
+    cfg = to_schema(compose_train())
+    assert (cfg.data.name, cfg.model.name, cfg.optim.name) == ("digits", "convnet", "sgd")
+    assert cfg.data.batch_size == 100 and cfg.run_dir is None
+
+
+def test_experiment_overrides_groups():
+    cfg = to_schema(compose_train("experiment=mnist_convnet"))
+    assert cfg.data.name == "mnist" and cfg.data.image_size == 28 and cfg.trainer.epochs == 2
+
+
+def test_public_keys_exist():
+    cfg = compose_train()
+    for key in (
+        "data.root", "data.download", "data.batch_size", "data.num_workers", "optim.lr",
+        "trainer.epochs", "trainer.max_steps", "trainer.precision", "trainer.sync_bn",
+        "trainer.grad_accum_steps", "trainer.grad_clip", "trainer.compile", "trainer.device",
+        "trainer.backend", "seed", "run_dir",
+    ):  # fmt: skip
+        group, _, leaf = key.rpartition(".")
+        assert leaf in (cfg[group] if group else cfg), key
+
+
+def test_unknown_key_fails_naming_it():
+    with pytest.raises(ConfigCompositionException) as e:
+        compose_train("trainer.epoch=3")
+    assert "epoch" in str(e.value) + str(e.value.__cause__)
+
+
+def test_wrong_type_fails_naming_the_key():
+    with pytest.raises((ConfigCompositionException, ValidationError, ConfigKeyError)) as e:
+        compose_train("optim.lr=fast")
+    assert "lr" in str(e.value) + str(e.value.__cause__)
+
+
+@pytest.mark.parametrize(
+    "override,key",
+    [
+        ("optim.lr=0", "optim.lr"),
+        ("optim.lr=-0.1", "optim.lr"),
+        ("data.batch_size=0", "data.batch_size"),
+        ("trainer.precision=fp8", "trainer.precision"),
+        ("trainer.device=tpu", "trainer.device"),
+        ("trainer.grad_accum_steps=0", "trainer.grad_accum_steps"),
+        ("trainer.max_steps=0", "trainer.max_steps"),
+        ("data.val_fraction=1.5", "data.val_fraction"),
+        ("data.in_channels=3", "data.in_channels"),
+        ("data.image_size=2", "data.image_size"),
+    ],
+)
+def test_bad_values_raise_value_error_naming_the_key(override, key):
+    with pytest.raises(ValueError) as e:
+        to_schema(compose_train(override))
+    assert isinstance(e.value, ConfigError)
+    assert key in str(e.value)
+
+
+def test_precision_accepts_a_number():
+    assert to_schema(compose_train("trainer.precision=32")).trainer.precision == "32"
+
+
+def test_eval_config_requires_a_checkpoint():
+    cfg = compose_train("checkpoint=x.pt", name="eval")
+    assert isinstance(to_schema(cfg, EvalConfig), EvalConfig)

@@ -1,0 +1,151 @@
+"""Unit tests with a patched environment: launch env, devices, samplers, schedules, models."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+from torch.utils.data import DistributedSampler
+
+from ddp_utils.config import ConfigError, DataConfig, ModelConfig, SchedConfig, TrainerConfig
+from ddp_utils.data import Preprocess, load_split, random_crop_flip
+from ddp_utils.dist import init_distributed, pick_backend, pick_device, read_launch_env, shutdown
+from ddp_utils.models import build_model
+from ddp_utils.optim import lr_factor
+from ddp_utils.samplers import EvalShardSampler
+
+TORCHRUN_ENV = {
+    "RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4",
+    "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29400", "TORCHELASTIC_RUN_ID": "job7",
+}  # fmt: skip
+
+
+def test_launch_env_reads_torchrun_variables():
+    env = read_launch_env(TORCHRUN_ENV)
+    assert (env.rank, env.local_rank, env.world_size, env.local_world_size) == (5, 1, 8, 4)
+    assert (env.master_addr, env.master_port, env.run_id) == ("10.0.0.1", 29400, "job7")
+    assert env.launched
+
+
+def test_no_torchrun_means_world_size_one():
+    env = read_launch_env({})
+    assert (env.rank, env.world_size, env.launched) == (0, 1, False)
+
+
+def test_plain_python_joins_a_group_of_one():
+    with mock.patch.dict("os.environ", {}, clear=True):
+        rt = init_distributed(TrainerConfig(device="cpu"))
+    try:
+        assert (rt.rank, rt.world_size, rt.is_main, rt.backend) == (0, 1, True, "gloo")
+        assert torch.distributed.get_world_size() == 1
+        with pytest.raises(Exception):  # frozen: runtime facts cannot be changed
+            rt.rank = 3
+    finally:
+        shutdown()
+    assert not torch.distributed.is_initialized()
+
+
+def test_device_auto_is_cpu_without_cuda_and_cuda_is_refused():
+    env = read_launch_env(TORCHRUN_ENV)
+    with mock.patch("torch.cuda.is_available", return_value=False):
+        assert pick_device(TrainerConfig(device="auto"), env).type == "cpu"
+        with pytest.raises(ConfigError, match="trainer.device=cuda"):
+            pick_device(TrainerConfig(device="cuda"), env)
+
+
+def test_more_local_processes_than_gpus_fails_fast():
+    env = read_launch_env(TORCHRUN_ENV)  # 4 local processes
+    with (
+        mock.patch("torch.cuda.is_available", return_value=True),
+        mock.patch("torch.cuda.device_count", return_value=2),
+        pytest.raises(ConfigError, match="--nproc_per_node=2"),
+    ):
+        pick_device(TrainerConfig(device="auto"), env)
+    with (
+        mock.patch("torch.cuda.is_available", return_value=True),
+        mock.patch("torch.cuda.device_count", return_value=4),
+    ):
+        assert pick_device(TrainerConfig(), env) == torch.device("cuda", 1)
+
+
+def test_backend_choice():
+    assert pick_backend(TrainerConfig(), torch.device("cpu")) == "gloo"
+    assert pick_backend(TrainerConfig(), torch.device("cuda", 0)) == "nccl"
+    assert pick_backend(TrainerConfig(backend="gloo"), torch.device("cuda", 0)) == "gloo"
+    with pytest.raises(ConfigError, match="trainer.backend=nccl"):
+        pick_backend(TrainerConfig(backend="nccl"), torch.device("cpu"))
+
+
+@pytest.mark.parametrize("length", [0, 1, 7, 2000, 2001])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 8])
+def test_eval_sampler_gives_every_index_to_exactly_one_rank(length, world_size):
+    shards = [list(EvalShardSampler(length, world_size, r)) for r in range(world_size)]
+    flat = sorted(i for shard in shards for i in shard)
+    assert flat == list(range(length))
+    assert [len(EvalShardSampler(length, world_size, r)) for r in range(world_size)] == [
+        len(s) for s in shards
+    ]
+
+
+def test_distributed_sampler_pads_which_is_why_eval_does_not_use_it():
+    counted = sum(len(DistributedSampler(range(2000), 3, r, shuffle=False)) for r in range(3))
+    assert counted == 2001
+
+
+@pytest.mark.parametrize("name", ["none", "cosine", "step"])
+def test_warmup_then_schedule(name):
+    cfg = SchedConfig(name=name, warmup_steps=10, warmup_start_factor=0.1, step_epochs=1, gamma=0.5)
+    factors = [lr_factor(cfg, s, total_steps=100, steps_per_epoch=20, base_lr=0.1) for s in range(100)]
+    assert factors[0] == pytest.approx(0.1) and factors[5] == pytest.approx(0.55)
+    assert factors[10] == pytest.approx(1.0)
+    if name == "cosine":
+        assert factors[-1] < 0.01 and all(a >= b for a, b in zip(factors[10:], factors[11:]))
+    if name == "step":
+        assert factors[20] == 0.5 and factors[40] == 0.25
+
+
+@pytest.mark.parametrize("name", ["convnet", "mlp", "resnet18"])
+@pytest.mark.parametrize("shape", [(1, 8, 10), (1, 28, 10), (3, 32, 10), (2, 20, 7)])
+def test_models_fit_the_declared_data(name, shape):
+    c, s, k = shape
+    data = DataConfig(in_channels=c, image_size=s, num_classes=k, mean=[0.5] * c, std=[0.5] * c)
+    model = build_model(ModelConfig(name=name), data)
+    assert model(torch.randn(2, c, s, s)).shape == (2, k)
+
+
+def test_convnet_is_the_tutorial_model():
+    model = build_model(ModelConfig(), DataConfig(image_size=28))
+    convs = [m for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
+    bns = [m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    assert [(c.out_channels, c.kernel_size) for c in convs] == [(16, (5, 5)), (32, (5, 5))]
+    assert len(bns) == 2 and model.fc.in_features == 7 * 7 * 32
+
+
+def test_digits_split_is_fixed_and_disjoint():
+    cfg = DataConfig()
+    train, val = load_split(cfg, "train"), load_split(cfg, "val")
+    assert len(train) + len(val) == 1797 and len(val) == 359
+    assert train.images.dtype == torch.uint8 and train.images.shape[1:] == (1, 8, 8)
+    assert torch.equal(load_split(cfg, "val").labels, val.labels)
+    train_rows = {tuple(x.flatten().tolist()) for x in train.images}
+    overlap = sum(tuple(x.flatten().tolist()) in train_rows for x in val.images)
+    assert overlap < 10  # the bundled set has a few duplicate images, no shared indices
+
+
+def test_missing_torchvision_data_names_root_and_fix(tmp_path):
+    cfg = DataConfig(name="mnist", root=str(tmp_path), image_size=28)
+    with pytest.raises(ConfigError, match="data.download=true") as e:
+        load_split(cfg, "val")
+    assert str(tmp_path) in str(e.value)
+
+
+def test_preprocess_normalises_and_augments_in_batch():
+    cfg = DataConfig(in_channels=3, image_size=32, mean=[0.5] * 3, std=[0.25] * 3, augment=True)
+    x = torch.full((4, 3, 32, 32), 128, dtype=torch.uint8)
+    out = Preprocess(cfg, train=False)(x)
+    assert out.dtype == torch.float32 and torch.allclose(out, torch.full_like(out, 0.00784), atol=1e-4)
+    torch.manual_seed(0)
+    crops = random_crop_flip(torch.arange(1, 2 * 32 * 32 + 1.0).view(2, 1, 32, 32), padding=4)
+    assert crops.shape == (2, 1, 32, 32)
+    assert (crops == 0).any()  # some zero padding shifted in

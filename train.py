@@ -1,0 +1,37 @@
+"""Train a model with DistributedDataParallel.
+
+One process (world size 1):
+    python train.py
+One node, 8 processes:
+    torchrun --standalone --nproc_per_node=8 train.py optim.lr=0.1 data=mnist
+Many nodes (run on each):
+    torchrun --nnodes=4 --nproc_per_node=8 --rdzv-backend=c10d \
+        --rdzv-endpoint=HOST:PORT --rdzv-id=JOB train.py
+"""
+
+import hydra
+from omegaconf import DictConfig
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from ddp_utils.config import register_configs, to_schema
+from ddp_utils.dist import init_distributed, shutdown
+from ddp_utils.entry import exit_on_user_error
+from ddp_utils.trainer import fit
+
+register_configs()
+
+
+@hydra.main(version_base=None, config_path="conf", config_name="train")
+@record  # torchrun then reports the failing rank's traceback
+def main(cfg: DictConfig) -> float:
+    with exit_on_user_error():
+        try:
+            train_cfg = to_schema(cfg)
+            rt = init_distributed(train_cfg.trainer)
+            return fit(train_cfg, rt)
+        finally:
+            shutdown()
+
+
+if __name__ == "__main__":
+    main()
