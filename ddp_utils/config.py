@@ -189,7 +189,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             f"{d.in_channels}); got {len(d.mean)} and {len(d.std)}."
         )
     if m.name == "convnet" and d.image_size < 4:
-        raise ConfigError(f"model=convnet pools twice: data.image_size={d.image_size} must be >= 4.")
+        raise ConfigError(
+            f"model=convnet pools twice: data.image_size={d.image_size} must be >= 4."
+        )
     if not m.channels or any(c < 1 for c in m.channels):
         raise ConfigError(f"model.channels={m.channels} needs positive channel counts.")
     if s.name == "onecycle" and s.warmup_steps:

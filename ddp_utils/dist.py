@@ -75,7 +75,9 @@ def pick_device(cfg: TrainerConfig, launch: LaunchEnv) -> torch.device:
     want = cfg.device
     has_cuda = torch.cuda.is_available()
     if want == "cuda" and not has_cuda:
-        raise ConfigError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu.")
+        raise ConfigError(
+            "trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu."
+        )
     if want == "cpu" or not has_cuda:
         return torch.device("cpu")
     n_gpus = torch.cuda.device_count()

@@ -111,9 +111,7 @@ def build_training(cfg: TrainConfig, rt: Runtime, run_dir: Path) -> Training:
         model=model,
         data=data,
         optimizer=optimizer,
-        scheduler=build_scheduler(
-            cfg.sched, optimizer, cfg.optim.lr, total_steps, steps_per_epoch
-        ),
+        scheduler=build_scheduler(cfg.sched, optimizer, cfg.optim.lr, total_steps, steps_per_epoch),
         scaler=torch.amp.GradScaler(rt.device.type, enabled=t.precision == "fp16"),
         amp=amp_context(t.precision, rt.device),
         steps_per_epoch=steps_per_epoch,
@@ -191,8 +189,9 @@ def checkpoint_state(tr: Training) -> dict[str, Any]:
 
 def validate_and_save(tr: Training, train_stats: dict[str, float]) -> dict[str, Any]:
     """Score the epoch on every rank, log it, and write last.pt (and best.pt) from the main rank."""
-    val = evaluate(tr.raw_model, tr.data.val, tr.data.preprocess_eval, tr.rt,
-                   tr.cfg.data.num_classes, tr.amp)
+    val = evaluate(
+        tr.raw_model, tr.data.val, tr.data.preprocess_eval, tr.rt, tr.cfg.data.num_classes, tr.amp
+    )
     record = {
         "epoch": tr.epoch,
         "step": tr.step,
@@ -213,8 +212,13 @@ def validate_and_save(tr: Training, train_stats: dict[str, float]) -> dict[str, 
     log.info(
         "epoch %d | step %d | train/loss %.4f | val/loss %.4f | val/accuracy %.4f (%d samples) "
         "| %.0f samples/s",
-        tr.epoch, tr.step, record["train/loss"], val["loss"], val["accuracy"],
-        val["num_samples"], record["samples_per_s"],
+        tr.epoch,
+        tr.step,
+        record["train/loss"],
+        val["loss"],
+        val["accuracy"],
+        val["num_samples"],
+        record["samples_per_s"],
     )
     return record
 
@@ -230,9 +234,15 @@ def fit(cfg: TrainConfig, rt: Runtime) -> float:
     log.info(
         "run_dir %s | world size %d | device %s | backend %s | global batch %d "
         "(%d per process x %d processes x %d accumulation steps) | %d steps",
-        run_dir, rt.world_size, rt.device, rt.backend,
+        run_dir,
+        rt.world_size,
+        rt.device,
+        rt.backend,
         cfg.data.batch_size * rt.world_size * t.grad_accum_steps,
-        cfg.data.batch_size, rt.world_size, t.grad_accum_steps, tr.total_steps,
+        cfg.data.batch_size,
+        rt.world_size,
+        t.grad_accum_steps,
+        tr.total_steps,
     )
     record: dict[str, Any] = {}
     while tr.epoch < t.epochs and not reached_max_steps(tr):

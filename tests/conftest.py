@@ -33,9 +33,15 @@ def child_env(**extra: str) -> dict[str, str]:
 
 
 def run_script(
-    script: str, *args: str, nproc: int | None = None, timeout: float = 300, check: bool = True
+    script: str,
+    *args: str,
+    nproc: int | None = None,
+    timeout: float = 300,
+    check: bool = True,
+    cwd: Path = ROOT,
 ) -> subprocess.CompletedProcess:
     """``python SCRIPT args`` (nproc=None) or ``torchrun --standalone --nproc_per_node=N``."""
+    script = str(ROOT / script)
     if nproc is None:
         cmd = [sys.executable, script, *args]
     else:
@@ -44,7 +50,7 @@ def run_script(
             f"--nproc_per_node={nproc}", script, *args,
         ]  # fmt: skip
     proc = subprocess.run(
-        cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=timeout
+        cmd, cwd=cwd, env=child_env(), capture_output=True, text=True, timeout=timeout
     )
     if check and proc.returncode != 0:
         raise AssertionError(

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from conftest import ROOT
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError, ValidationError
 
-from conftest import ROOT
 from ddp_utils.config import ConfigError, EvalConfig, TrainConfig, register_configs, to_schema
 
 register_configs()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from unittest import mock
 
 import pytest
@@ -39,7 +40,9 @@ def test_plain_python_joins_a_group_of_one():
     try:
         assert (rt.rank, rt.world_size, rt.is_main, rt.backend) == (0, 1, True, "gloo")
         assert torch.distributed.get_world_size() == 1
-        with pytest.raises(Exception):  # frozen: runtime facts cannot be changed
+        with pytest.raises(
+            dataclasses.FrozenInstanceError
+        ):  # frozen: runtime facts cannot be changed
             rt.rank = 3
     finally:
         shutdown()
@@ -96,11 +99,15 @@ def test_distributed_sampler_pads_which_is_why_eval_does_not_use_it():
 @pytest.mark.parametrize("name", ["none", "cosine", "step"])
 def test_warmup_then_schedule(name):
     cfg = SchedConfig(name=name, warmup_steps=10, warmup_start_factor=0.1, step_epochs=1, gamma=0.5)
-    factors = [lr_factor(cfg, s, total_steps=100, steps_per_epoch=20, base_lr=0.1) for s in range(100)]
+    factors = [
+        lr_factor(cfg, s, total_steps=100, steps_per_epoch=20, base_lr=0.1) for s in range(100)
+    ]
     assert factors[0] == pytest.approx(0.1) and factors[5] == pytest.approx(0.55)
     assert factors[10] == pytest.approx(1.0)
     if name == "cosine":
-        assert factors[-1] < 0.01 and all(a >= b for a, b in zip(factors[10:], factors[11:]))
+        assert factors[-1] < 0.01 and all(
+            a >= b for a, b in zip(factors[10:], factors[11:], strict=False)
+        )
     if name == "step":
         assert factors[20] == 0.5 and factors[40] == 0.25
 
@@ -144,7 +151,9 @@ def test_preprocess_normalises_and_augments_in_batch():
     cfg = DataConfig(in_channels=3, image_size=32, mean=[0.5] * 3, std=[0.25] * 3, augment=True)
     x = torch.full((4, 3, 32, 32), 128, dtype=torch.uint8)
     out = Preprocess(cfg, train=False)(x)
-    assert out.dtype == torch.float32 and torch.allclose(out, torch.full_like(out, 0.00784), atol=1e-4)
+    assert out.dtype == torch.float32 and torch.allclose(
+        out, torch.full_like(out, 0.00784), atol=1e-4
+    )
     torch.manual_seed(0)
     crops = random_crop_flip(torch.arange(1, 2 * 32 * 32 + 1.0).view(2, 1, 32, 32), padding=4)
     assert crops.shape == (2, 1, 32, 32)

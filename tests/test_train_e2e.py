@@ -1,0 +1,78 @@
+"""End-to-end: train.py under torchrun with real gloo processes, checked against numbers."""
+
+from __future__ import annotations
+
+import torch
+from conftest import MNIST_ROOT, needs_mnist, read_metrics, run_script
+
+from ddp_utils.config import DataConfig, ModelConfig
+from ddp_utils.models import build_model
+
+
+def test_torchrun_two_ranks_share_one_run_dir(tmp_path):
+    proc = run_script("train.py", "trainer.epochs=2", nproc=2, cwd=tmp_path)
+    # Nothing but outputs/<one run>: no per-rank folders, no Hydra files.
+    assert [p.name for p in tmp_path.iterdir()] == ["outputs"]
+    runs = list((tmp_path / "outputs").iterdir())
+    assert len(runs) == 1, runs
+    run = runs[0]
+    assert {p.name for p in run.iterdir()} >= {"config.yaml", "train.log", "metrics.jsonl"}
+    assert not list(run.glob(".hydra")) and not list(run.glob("train.rank*.log"))
+    log = (run / "train.log").read_text()
+    assert "world size 2" in log and "global batch 200" in log
+    assert "world size 2" in proc.stdout
+    records = read_metrics(run)
+    assert [r["epoch"] for r in records] == [0, 1]
+    for r in records:
+        assert {"epoch", "step", "lr", "train/loss", "val/accuracy", "val/num_samples",
+                "samples_per_s"} <= r.keys()  # fmt: skip
+        assert r["val/num_samples"] == 359
+    ckpt = torch.load(run / "checkpoints" / "last.pt", weights_only=True)
+    assert {"model", "optimizer", "scheduler", "scaler", "epoch", "step", "config"} <= ckpt.keys()
+    assert ckpt["step"] == records[-1]["step"] and ckpt["config"]["data"]["name"] == "digits"
+    assert (run / "checkpoints" / "best.pt").is_file()
+
+
+def _params(path):
+    return torch.load(path, weights_only=True)["model"]
+
+
+def test_two_ranks_at_batch_b_equal_one_rank_at_batch_2b(tmp_path):
+    common = ["model=mlp", "trainer.max_steps=12", "trainer.epochs=1", "optim.lr=0.05"]
+    run_script("train.py", *common, "data.batch_size=16", f"run_dir={tmp_path}/ddp", nproc=2)
+    run_script("train.py", *common, "data.batch_size=32", f"run_dir={tmp_path}/single")
+    a = _params(tmp_path / "ddp" / "checkpoints" / "last.pt")
+    b = _params(tmp_path / "single" / "checkpoints" / "last.pt")
+    torch.manual_seed(0)  # train.py's weights come from `seed` (0) on every rank
+    initial = build_model(ModelConfig(name="mlp"), DataConfig()).state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        rel = (a[k] - b[k]).norm() / b[k].norm()
+        assert rel <= 1e-5, f"{k}: relative difference {rel:.2e}"
+        # The runs really trained: equality is not the untouched initial weights.
+        assert (a[k] - initial[k]).norm() / initial[k].norm() > 1e-3
+
+
+def test_bad_input_gives_one_message_and_a_non_zero_exit(tmp_path):
+    proc = run_script("train.py", "trainer.sync_bn=true", nproc=2, check=False, cwd=tmp_path)
+    assert proc.returncode != 0
+    assert proc.stderr.count("error: trainer.sync_bn=true needs CUDA") == 1
+    assert "Traceback" not in proc.stderr.split("error: trainer.sync_bn")[0]
+    assert not (tmp_path / "outputs").exists()  # refused before anything was written
+
+
+def test_unknown_key_on_the_command_line_names_it(tmp_path):
+    proc = run_script("train.py", "trainer.epoch=3", check=False, cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "epoch" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@needs_mnist
+def test_mnist_two_ranks_two_epochs_reach_97_percent(tmp_path):
+    run_script(
+        "train.py", "data=mnist", f"data.root={MNIST_ROOT}", "data.download=false",
+        "trainer.epochs=2", f"run_dir={tmp_path}", nproc=2,
+    )  # fmt: skip
+    last = read_metrics(tmp_path)[-1]
+    assert last["val/num_samples"] == 2000
+    assert last["val/accuracy"] >= 0.97, last
