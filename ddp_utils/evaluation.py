@@ -1,0 +1,108 @@
+"""eval.py's phases: the checkpoint's config with the user's overrides, scoring, the report."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import DictConfig, OmegaConf
+
+from ddp_utils.checkpoint import atomic_write, load_checkpoint, load_model_state
+from ddp_utils.config import ConfigError, TrainConfig, to_schema
+from ddp_utils.data import Preprocess, load_split, make_eval_loader
+from ddp_utils.dist import Runtime, init_distributed, local_main_first
+from ddp_utils.metrics import evaluate
+from ddp_utils.models import build_model
+from ddp_utils.run import log, setup_logging
+from ddp_utils.trainer import amp_context
+
+EVAL_ONLY_KEYS = ("checkpoint", "output")
+
+
+def command_line_keys() -> list[str]:
+    """The keys (or groups) the user set on the command line, e.g. ``data.root`` or ``data``."""
+    overrides = HydraConfig.get().overrides.task
+    parsed = OverridesParser.create().parse_overrides(list(overrides))
+    return [o.key_or_group for o in parsed]
+
+
+def checkpoint_config(stored: dict[str, Any], cfg: DictConfig, keys: list[str]) -> TrainConfig:
+    """The config the checkpoint was trained with, with the command line's keys taken from
+    ``cfg`` (so ``data.root=...`` or a whole group such as ``data=mnist`` override it)."""
+    merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), stored)
+    for key in keys:
+        if key.split(".")[0] in EVAL_ONLY_KEYS:
+            continue
+        OmegaConf.update(merged, key, OmegaConf.select(cfg, key), merge=False)
+    return to_schema(merged)
+
+
+def describe(cfg: dict[str, Any]) -> str:
+    m, d = cfg["model"], cfg["data"]
+    shape = f"{d['in_channels']}x{d['image_size']}x{d['image_size']}"
+    return f"model={m['name']} on data={d['name']} ({shape}, {d['num_classes']} classes)"
+
+
+def default_output(checkpoint: Path) -> Path:
+    """``<run_dir>/eval.json`` for a checkpoint at ``<run_dir>/checkpoints/*.pt``."""
+    parent = checkpoint.resolve().parent
+    run_dir = parent.parent if parent.name == "checkpoints" else parent
+    return run_dir / "eval.json"
+
+
+def run_eval(cfg: DictConfig) -> dict[str, Any]:
+    """Load the checkpoint, join the process group, score the split on every rank, report."""
+    if OmegaConf.is_missing(cfg, "checkpoint"):
+        raise ConfigError(
+            "checkpoint=PATH is required: python eval.py checkpoint=RUN/checkpoints/best.pt"
+        )
+    checkpoint = Path(cfg.checkpoint)
+    ckpt = load_checkpoint(checkpoint)
+    train_cfg = checkpoint_config(ckpt["config"], cfg, command_line_keys())
+    model = build_model(train_cfg.model, train_cfg.data)
+    load_model_state(
+        model,
+        ckpt["model"],
+        f"checkpoint={checkpoint}",
+        f"It was trained as {describe(ckpt['config'])}; this run asks for "
+        f"{describe(OmegaConf.to_container(OmegaConf.structured(train_cfg)))}. Drop the "
+        "model/data overrides, or evaluate a checkpoint of that model and data.",
+    )
+    rt = init_distributed(train_cfg.trainer)
+    setup_logging(None, rt, "eval")
+    data = train_cfg.data
+    with local_main_first(rt):
+        dataset = load_split(data, data.split)
+    result = evaluate(
+        model.to(rt.device),
+        make_eval_loader(dataset, data, rt),
+        Preprocess(data, train=False).to(rt.device),
+        rt,
+        data.num_classes,
+        amp_context(train_cfg.trainer.precision, rt.device),
+    )
+    result.update(world_size=rt.world_size, checkpoint=str(checkpoint))
+    output = Path(cfg.output) if cfg.output else default_output(checkpoint)
+    write_report(result, output, f"{data.name}/{data.split}", rt)
+    return result
+
+
+def write_report(result: dict[str, Any], output: Path, what: str, rt: Runtime) -> None:
+    """The main rank writes ``output`` once and prints a short table."""
+    if not rt.is_main:
+        return
+    text = json.dumps(result, indent=2)
+    atomic_write(output, lambda f: f.write(text.encode()))
+    lines = [
+        f"{result['checkpoint']} on {what}: {result['num_samples']} samples, "
+        f"world size {result['world_size']}",
+    ]
+    for key in ("accuracy", "top5", "f1_macro", "loss"):
+        if key in result:
+            lines.append(f"  {key:<10} {result[key]:.4f}")
+    per_class = "  ".join(f"{i}:{a:.3f}" for i, a in enumerate(result["per_class_accuracy"]))
+    lines += [f"  per class  {per_class}", f"  written to {output}"]
+    log.info("\n".join(lines))

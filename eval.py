@@ -1,0 +1,34 @@
+"""Evaluate a train.py checkpoint exactly: the same numbers at any world size.
+
+One process:
+    python eval.py checkpoint=outputs/RUN/checkpoints/best.pt
+One node, N processes (any N):
+    torchrun --standalone --nproc_per_node=3 eval.py checkpoint=outputs/RUN/checkpoints/best.pt
+Override any key of the checkpoint's config:
+    python eval.py checkpoint=PATH data.root=/data data.batch_size=500 data.split=train output=x.json
+"""
+
+import hydra
+from omegaconf import DictConfig
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from ddp_utils.config import register_configs
+from ddp_utils.dist import shutdown
+from ddp_utils.entry import exit_on_user_error
+from ddp_utils.evaluation import run_eval
+
+register_configs()
+
+
+@hydra.main(version_base=None, config_path="conf", config_name="eval")
+@record  # torchrun then reports the failing rank's traceback
+def main(cfg: DictConfig) -> float:
+    with exit_on_user_error():
+        try:
+            return run_eval(cfg)["accuracy"]
+        finally:
+            shutdown()
+
+
+if __name__ == "__main__":
+    main()

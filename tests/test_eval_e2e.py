@@ -1,0 +1,124 @@
+"""eval.py end to end: exact numbers at any world size, and clear errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+
+import pytest
+from conftest import MNIST_ROOT, needs_mnist, read_metrics, run_script
+
+EVAL_KEYS = {
+    "accuracy", "top5", "f1_macro", "loss", "num_samples", "per_class_accuracy",
+    "confusion_matrix", "world_size", "checkpoint",
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def digits_run(tmp_path_factory):
+    run = tmp_path_factory.mktemp("digits_run")
+    run_script("train.py", "trainer.epochs=2", f"run_dir={run}")
+    return run
+
+
+def test_same_numbers_at_world_size_1_2_3_4(digits_run, tmp_path):
+    ckpt = digits_run / "checkpoints" / "last.pt"
+    # World size 1 with the default output: eval.json beside the checkpoint's run, no strays.
+    run_script("eval.py", f"checkpoint={ckpt}", cwd=tmp_path)
+    assert list(tmp_path.iterdir()) == []
+    results = {1: json.loads((digits_run / "eval.json").read_text())}
+    for n in (2, 3, 4):
+        out = tmp_path / f"eval{n}.json"
+        proc = run_script("eval.py", f"checkpoint={ckpt}", f"output={out}", nproc=n, cwd=tmp_path)
+        assert "359 samples" in proc.stdout and f"world size {n}" in proc.stdout
+        results[n] = json.loads(out.read_text())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["eval2.json", "eval3.json", "eval4.json"]
+    base = results[1]
+    assert base.keys() >= EVAL_KEYS
+    assert base["num_samples"] == 359  # none of 2, 3, 4 divides 359
+    assert sum(map(sum, base["confusion_matrix"])) == 359
+    for n, r in results.items():
+        assert r["world_size"] == n and r["num_samples"] == 359
+        for key in ("accuracy", "top5", "f1_macro", "per_class_accuracy", "confusion_matrix"):
+            assert r[key] == base[key], (n, key)
+        assert abs(r["loss"] - base["loss"]) <= 1e-6
+    # train.py's validation went through the same code: the same accuracy for the same weights.
+    assert read_metrics(digits_run)[-1]["val/accuracy"] == base["accuracy"]
+
+
+def test_overrides_apply_on_top_of_the_checkpoint_config(digits_run, tmp_path):
+    out = tmp_path / "train_split.json"
+    ckpt = digits_run / "checkpoints" / "best.pt"
+    run_script("eval.py", f"checkpoint={ckpt}", "data.split=train", "data.batch_size=7",
+               f"output={out}")  # fmt: skip
+    assert json.loads(out.read_text())["num_samples"] == 1797 - 359
+
+
+def _torn(src, dst):
+    dst.write_bytes(src.read_bytes()[:5000])
+    return dst
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize(
+    "case", ["missing", "torn", "other_model", "other_classes", "no_data", "malicious"]
+)
+def test_bad_input_gives_a_clear_message_and_a_non_zero_exit(case, digits_run, tmp_path):
+    ckpt = digits_run / "checkpoints" / "last.pt"
+    marker = tmp_path / "code_ran"
+    args, expected = {
+        "missing": ([f"checkpoint={tmp_path}/nope.pt"], "no such file"),
+        "torn": ([f"checkpoint={_torn(ckpt, tmp_path / 'torn.pt')}"], "corrupt or truncated"),
+        "other_model": ([f"checkpoint={ckpt}", "model=mlp"], "trained as model=convnet"),
+        "other_classes": (
+            [f"checkpoint={ckpt}", "data=synthetic", "data.image_size=8", "data.num_classes=7"],
+            "does not fit the model",
+        ),
+        "no_data": (
+            [
+                f"checkpoint={ckpt}",
+                "data.name=mnist",
+                f"data.root={tmp_path}",
+                "data.download=false",
+            ],
+            "data.download=true",
+        ),
+        "malicious": ([f"checkpoint={tmp_path / 'evil.pt'}"], "arbitrary unpickling"),
+    }[case]
+    if case == "malicious":
+        payload = _RunsCode()
+        payload.marker = marker
+        (tmp_path / "evil.pt").write_bytes(pickle.dumps({"model": payload, "config": {}}))
+    proc = run_script("eval.py", *args, f"output={tmp_path}/out.json", check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert expected in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "out.json").exists() and not marker.exists()
+
+
+def test_missing_checkpoint_under_torchrun_reports_once(tmp_path):
+    proc = run_script("eval.py", f"checkpoint={tmp_path}/nope.pt", nproc=2, check=False)
+    assert proc.returncode != 0
+    assert proc.stderr.count("no such file") == 1
+
+
+def test_checkpoint_is_required():
+    proc = run_script("eval.py", check=False)
+    assert proc.returncode == 2 and "checkpoint=PATH is required" in proc.stderr
+
+
+@needs_mnist
+def test_mnist_trained_by_train_py_evaluates_the_same_at_1_and_3_processes(tmp_path):
+    run = tmp_path / "run"
+    run_script("train.py", "data=mnist", f"data.root={MNIST_ROOT}", "trainer.epochs=1",
+               f"run_dir={run}", nproc=2)  # fmt: skip
+    ckpt = run / "checkpoints" / "best.pt"
+    run_script("eval.py", f"checkpoint={ckpt}", f"output={tmp_path}/one.json")
+    run_script("eval.py", f"checkpoint={ckpt}", f"output={tmp_path}/three.json", nproc=3)
+    one, three = (json.loads((tmp_path / f).read_text()) for f in ("one.json", "three.json"))
+    assert one["num_samples"] == three["num_samples"] == 2000
+    assert one["accuracy"] == three["accuracy"] and one["accuracy"] > 0.9
