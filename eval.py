@@ -5,7 +5,7 @@ One process:
 One node, N processes (any N):
     torchrun --standalone --nproc_per_node=3 eval.py checkpoint=outputs/RUN/checkpoints/best.pt
 Override any key of the checkpoint's config:
-    python eval.py checkpoint=PATH data.root=/data data.batch_size=500 data.split=train output=x.json
+    python eval.py checkpoint=PATH data.root=/data data.split=train output=x.json
 """
 
 import hydra

@@ -98,4 +98,6 @@ def load_model_state(model: nn.Module, state: dict[str, Any], where: str, fix: s
     except RuntimeError as e:
         lines = [line.strip() for line in str(e).splitlines()[1:] if line.strip()]
         detail = (lines[0] if lines else _first_line(e))[:240]
-        raise ConfigError(f"{where} does not fit the model built from the config ({detail}). {fix}")
+        raise ConfigError(
+            f"{where} does not fit the model built from the config ({detail}). {fix}"
+        ) from None
