@@ -14,7 +14,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from ddp_utils.config import register_configs
 from ddp_utils.dist import shutdown
-from ddp_utils.entry import exit_on_user_error
+from ddp_utils.entry import clean_exit
 from ddp_utils.evaluation import run_eval
 
 register_configs()
@@ -23,7 +23,7 @@ register_configs()
 @hydra.main(version_base=None, config_path="conf", config_name="eval")
 @record  # torchrun then reports the failing rank's traceback
 def main(cfg: DictConfig) -> float:
-    with exit_on_user_error():
+    with clean_exit():
         try:
             return run_eval(cfg)["accuracy"]
         finally:

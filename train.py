@@ -15,7 +15,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from ddp_utils.config import register_configs, to_schema
 from ddp_utils.dist import init_distributed, shutdown
-from ddp_utils.entry import exit_on_user_error
+from ddp_utils.entry import clean_exit
 from ddp_utils.trainer import fit
 
 register_configs()
@@ -24,7 +24,7 @@ register_configs()
 @hydra.main(version_base=None, config_path="conf", config_name="train")
 @record  # torchrun then reports the failing rank's traceback
 def main(cfg: DictConfig) -> float:
-    with exit_on_user_error():
+    with clean_exit():
         try:
             train_cfg = to_schema(cfg)
             rt = init_distributed(train_cfg.trainer)

@@ -38,12 +38,55 @@ def atomic_save(obj: Any, path: Path) -> None:
     atomic_write(path, lambda f: torch.save(obj, f))
 
 
-def save_on_main(obj: dict[str, Any], paths: list[Path], rt: Runtime) -> None:
-    """The main rank writes ``obj`` to each path; every rank waits until the files exist."""
+def publish(src: Path, dst: Path) -> None:
+    """Make ``dst`` name the same complete file as ``src``, atomically (a hard link, or a copy
+    where the filesystem has none)."""
+    tmp = dst.with_name(f".{dst.name}.tmp")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(src, tmp)
+    except OSError:
+        atomic_write(tmp, lambda f: f.write(src.read_bytes()))
+    os.replace(tmp, dst)
+
+
+def step_checkpoints(ckpt_dir: Path) -> list[Path]:
+    """``step_*.pt`` files, oldest first."""
+    return sorted(ckpt_dir.glob("step_*.pt"))
+
+
+def save_training_checkpoint(
+    state: dict[str, Any], ckpt_dir: Path, is_best: bool, keep_last: int, rt: Runtime
+) -> Path:
+    """Main rank: write ``step_<N>.pt``, point ``last.pt`` (and ``best.pt``) at it, drop all but
+    the newest ``keep_last`` step files. Every rank waits until that is done."""
+    path = ckpt_dir / f"step_{state['step']:08d}.pt"
     if rt.is_main:
-        for path in paths:
-            atomic_save(obj, path)
+        atomic_save(state, path)
+        publish(path, ckpt_dir / "last.pt")
+        if is_best:
+            publish(path, ckpt_dir / "best.pt")
+        for old in step_checkpoints(ckpt_dir)[:-keep_last]:
+            old.unlink()
     barrier()
+    return path
+
+
+def newest_loadable(ckpt_dir: Path, warn: Callable[[str], None]) -> Path | None:
+    """The newest checkpoint in ``ckpt_dir`` that loads; torn ones are skipped with a warning.
+
+    An unsafe file is not skipped: it raises, since someone put it there.
+    """
+    candidates = list(reversed(step_checkpoints(ckpt_dir)))
+    if not candidates and (ckpt_dir / "last.pt").is_file():
+        candidates = [ckpt_dir / "last.pt"]
+    for path in candidates:
+        try:
+            load_checkpoint(path)
+            return path
+        except CorruptCheckpointError as e:
+            warn(f"skipping a checkpoint that does not load: {e}")
+    return None
 
 
 def _first_line(e: BaseException) -> str:
@@ -84,8 +127,12 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     return ckpt
 
 
+class CorruptCheckpointError(ConfigError):
+    """A checkpoint that is torn or unreadable (as opposed to unsafe or missing)."""
+
+
 def _corrupt(path: Path, e: BaseException) -> ConfigError:
-    return ConfigError(
+    return CorruptCheckpointError(
         f"checkpoint={path} is corrupt or truncated ({_first_line(e)}); use another "
         "checkpoint of the run (last.pt, best.pt) or train again."
     )

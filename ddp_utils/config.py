@@ -98,6 +98,8 @@ class TrainerConfig:
     backend: str = "auto"
     timeout_s: float = 300.0  # process-group init and collective timeout
     log_every_steps: int = 50
+    ckpt_every_steps: int | None = None  # step checkpoints; null = only at epoch ends
+    keep_last: int = 2  # newest step checkpoints kept (best.pt and last.pt besides)
 
 
 @dataclass
@@ -109,6 +111,7 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     seed: int = 0
     run_dir: str | None = None  # null = outputs/<date>_<torchrun run id>
+    resume: str = "auto"  # auto | never | PATH of a checkpoint
 
 
 @dataclass
@@ -170,6 +173,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         ("trainer.grad_clip", t.grad_clip),
         ("trainer.timeout_s", t.timeout_s),
         ("trainer.log_every_steps", t.log_every_steps),
+        ("trainer.ckpt_every_steps", t.ckpt_every_steps),
+        ("trainer.keep_last", t.keep_last),
         ("sched.step_epochs", s.step_epochs),
     ):
         _positive(key, value)

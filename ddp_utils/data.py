@@ -11,12 +11,13 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset
 
 from ddp_utils.config import ConfigError, DataConfig
 from ddp_utils.dist import Runtime, local_main_first
-from ddp_utils.samplers import EvalShardSampler
+from ddp_utils.samplers import EvalShardSampler, ResumableDistributedSampler
 
+IGNORE_LABEL = -100  # cross_entropy's default ignore_index
 TORCHVISION_SETS = {"mnist": "MNIST", "fashion_mnist": "FashionMNIST", "cifar10": "CIFAR10"}
 
 
@@ -30,6 +31,8 @@ class ImageTensorDataset(Dataset):
         return len(self.labels)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if i < 0:  # a sampler's padding duplicate (pad_marker): computed, never counted
+            return self.images[~i], torch.tensor(IGNORE_LABEL)
         return self.images[i], self.labels[i]
 
 
@@ -154,9 +157,7 @@ def make_eval_loader(ds: Dataset, cfg: DataConfig, rt: Runtime) -> DataLoader:
 def build_data(cfg: DataConfig, rt: Runtime, seed: int, channels_last: bool = False) -> DataBundle:
     with local_main_first(rt):
         train_ds, val_ds = load_split(cfg, "train"), load_split(cfg, "val")
-    sampler = DistributedSampler(
-        train_ds, num_replicas=rt.world_size, rank=rt.rank, shuffle=True, seed=seed
-    )
+    sampler = ResumableDistributedSampler(len(train_ds), rt.world_size, rt.rank, seed=seed)
     train = DataLoader(
         train_ds,
         batch_size=cfg.batch_size,

@@ -97,6 +97,27 @@ def pick_backend(cfg: TrainerConfig, device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def launch_store(launch: LaunchEnv, timeout: timedelta) -> dist.Store:
+    """The rendezvous store at MASTER_ADDR:MASTER_PORT, with keys private to this attempt.
+
+    torchrun shares its own TCPStore with the workers and keeps it across restarts, so the
+    workers of a restarted group can read the previous attempt's addresses and fail to
+    connect (pytorch/pytorch#135712). Prefixing the keys with the restart count keeps each
+    attempt apart.
+    """
+    agent_hosts_it = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        launch.master_addr,
+        launch.master_port,
+        launch.world_size,
+        is_master=not agent_hosts_it and launch.rank == 0,
+        timeout=timeout,
+        wait_for_workers=False,
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"ddp_recipes/attempt{attempt}", store)
+
+
 def init_distributed(cfg: TrainerConfig, env: dict[str, str] | None = None) -> Runtime:
     """Set the device, then join the process group (a group of one without torchrun)."""
     launch = read_launch_env(env)
@@ -110,7 +131,7 @@ def init_distributed(cfg: TrainerConfig, env: dict[str, str] | None = None) -> R
         if launch.launched:
             dist.init_process_group(
                 backend,
-                init_method="env://",
+                store=launch_store(launch, timeout),
                 rank=launch.rank,
                 world_size=launch.world_size,
                 timeout=timeout,

@@ -9,20 +9,23 @@ from collections.abc import Iterator
 
 from ddp_utils.config import ConfigError
 from ddp_utils.dist import read_launch_env
+from ddp_utils.preemption import PREEMPTED_EXIT, Preempted
 
 USER_ERROR_EXIT = 2
 NON_MAIN_EXIT_DELAY_S = 2.0
 
 
 @contextlib.contextmanager
-def exit_on_user_error() -> Iterator[None]:
-    """Turn a ConfigError into one message and exit code 2, with no traceback.
+def clean_exit() -> Iterator[None]:
+    """Exit codes without tracebacks: 2 for a user's mistake, 75 for a preempted run.
 
     Every rank reaches the same config, data and checkpoint, so it raises the same error: only
     global rank 0 prints it, unless the error says it is this rank's alone.
     """
     try:
         yield
+    except Preempted:
+        sys.exit(PREEMPTED_EXIT)  # the trainer logged the stop; relaunching resumes
     except ConfigError as e:
         rank = read_launch_env().rank
         if rank == 0 or e.rank_specific:

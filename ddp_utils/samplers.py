@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
+import torch
 from torch.utils.data import Sampler
 
 
@@ -25,3 +27,54 @@ class EvalShardSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return len(range(self.rank, self.length, self.world_size))
+
+
+def pad_marker(index: int) -> int:
+    """Encode a padding duplicate: the data set returns the sample with an ignored label."""
+    return ~index
+
+
+class ResumableDistributedSampler(Sampler[int]):
+    """DistributedSampler's shuffle and stride, resumable from any point of an epoch.
+
+    An epoch's order is ``randperm(n)`` seeded by ``seed + epoch``, as in DistributedSampler.
+    ``set_epoch(epoch, start)`` skips the first ``start`` positions of that order (the samples
+    all ranks consumed before an interruption) and shards the rest over the current ranks with
+    DistributedSampler's stride: rank ``r`` takes positions ``r, r + W, ...``. With
+    ``start=0`` each rank gets exactly DistributedSampler's indices. The padding that makes
+    the shards equal is yielded as ``pad_marker(i)``: the sample is computed but its label is
+    ignored, so every sample counts exactly once per epoch, whatever the world size.
+    """
+
+    def __init__(
+        self, length: int, world_size: int, rank: int, seed: int = 0, shuffle: bool = True
+    ) -> None:
+        assert 0 <= rank < world_size, f"rank {rank} outside world size {world_size}"
+        self.length, self.world_size, self.rank = length, world_size, rank
+        self.seed, self.shuffle = seed, shuffle
+        self.epoch, self.start = 0, 0
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        assert 0 <= start <= self.length, f"start {start} outside the epoch of {self.length}"
+        self.epoch, self.start = epoch, start
+
+    def epoch_order(self) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.length))
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        return torch.randperm(self.length, generator=g).tolist()
+
+    def __iter__(self) -> Iterator[int]:
+        rest = self.epoch_order()[self.start :]
+        pad = -len(rest) % self.world_size
+        if rest and pad:
+            repeats = rest * math.ceil(pad / len(rest))
+            rest = rest + [pad_marker(i) for i in repeats[:pad]]
+        return iter(rest[self.rank :: self.world_size])
+
+    def __len__(self) -> int:
+        return math.ceil((self.length - self.start) / self.world_size)
+
+    def consumed(self, batches: int, batch_size: int) -> int:
+        """The epoch position after every rank has taken ``batches`` batches from here."""
+        return min(self.length, self.start + batches * batch_size * self.world_size)

@@ -4,37 +4,32 @@ from __future__ import annotations
 
 import contextlib
 import math
-import random
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-from omegaconf import OmegaConf
 from torch import nn
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_utils.checkpoint import save_on_main
 from ddp_utils.config import ConfigError, TrainConfig, TrainerConfig
-from ddp_utils.data import DataBundle, build_data
+from ddp_utils.data import IGNORE_LABEL, DataBundle, build_data
 from ddp_utils.dist import Runtime, all_reduce_sum
+from ddp_utils.faults import SampleRecorder, maybe_inject
 from ddp_utils.metrics import evaluate
 from ddp_utils.models import build_model
 from ddp_utils.optim import build_optimizer, build_scheduler
+from ddp_utils.preemption import PREEMPTED_EXIT, Preempted, StopRequest
+from ddp_utils.resume import resume, save, seed_everything
 from ddp_utils.run import append_metrics, log, resolve_run_dir, setup_logging, write_config
+from ddp_utils.watchdog import StepWatchdog
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 def amp_context(precision: str, device: torch.device) -> Callable[[], AbstractContextManager]:
@@ -83,9 +78,14 @@ class Training:
     amp: Callable[[], AbstractContextManager]
     steps_per_epoch: int
     total_steps: int
-    epoch: int = 0
-    step: int = 0
+    epoch: int = 0  # epochs completed; the one in progress
+    step: int = 0  # optimizer steps taken
+    sample_offset: int = 0  # positions of this epoch's sample order already trained on
     best_accuracy: float = -1.0
+    watchdog: StepWatchdog | None = None
+    recorder: SampleRecorder = field(default_factory=lambda: SampleRecorder(-1))
+    # This rank's (loss sum, real samples) of the epoch so far, kept on the device.
+    epoch_totals: torch.Tensor = field(default_factory=lambda: torch.zeros(2, dtype=torch.float64))
 
 
 def build_training(cfg: TrainConfig, rt: Runtime, run_dir: Path) -> Training:
@@ -116,6 +116,8 @@ def build_training(cfg: TrainConfig, rt: Runtime, run_dir: Path) -> Training:
         amp=amp_context(t.precision, rt.device),
         steps_per_epoch=steps_per_epoch,
         total_steps=total_steps,
+        epoch_totals=torch.zeros(2, dtype=torch.float64, device=rt.device),
+        recorder=SampleRecorder(rt.rank),
     )
 
 
@@ -130,13 +132,18 @@ def optimizer_step(tr: Training) -> None:
     tr.step += 1
 
 
-def train_one_epoch(tr: Training) -> dict[str, float]:
-    """One pass over this rank's shard; returns the loss averaged over all ranks' samples."""
+def train_one_epoch(tr: Training, stop: StopRequest) -> dict[str, float]:
+    """Train the rest of the current epoch on this rank's shard (all of it unless resumed).
+
+    Returns the epoch's loss averaged over every rank's samples. Raises ``Preempted`` after
+    checkpointing when a stop signal arrives.
+    """
     loader, accum, device = tr.data.train, tr.cfg.trainer.grad_accum_steps, tr.rt.device
-    loader.sampler.set_epoch(tr.epoch)
+    sampler = loader.sampler
+    sampler.set_epoch(tr.epoch, tr.sample_offset)
+    if tr.recorder.path:
+        tr.recorder.start_epoch(list(sampler))
     tr.model.train()
-    # Accumulated on the device and reduced once per epoch: no host sync on the per-step path.
-    totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, sample count
     n_batches, start = len(loader), time.perf_counter()
     for i, (images, labels) in enumerate(loader):
         group_start = i - i % accum
@@ -148,20 +155,42 @@ def train_one_epoch(tr: Training) -> dict[str, float]:
         sync = contextlib.nullcontext() if last_micro else tr.model.no_sync()
         with sync:
             with tr.amp():
-                loss = F.cross_entropy(tr.model(images).float(), labels)
-            tr.scaler.scale(loss / group_len).backward()
-        totals[0] += loss.detach() * labels.numel()
-        totals[1] += labels.numel()
+                loss_sum = F.cross_entropy(
+                    tr.model(images).float(), labels, ignore_index=IGNORE_LABEL, reduction="sum"
+                )
+            # Padding duplicates carry an ignored label: the mean is over real samples only.
+            n_real = (labels != IGNORE_LABEL).sum()
+            tr.scaler.scale(loss_sum / n_real.clamp(min=1) / group_len).backward()
+        tr.epoch_totals[0] += loss_sum.detach()
+        tr.epoch_totals[1] += n_real
+        tr.recorder.add_batch(i, tr.cfg.data.batch_size)
         if last_micro:
             optimizer_step(tr)
-            if tr.step % tr.cfg.trainer.log_every_steps == 0:
-                log.info("epoch %d step %d lr %.4g", tr.epoch, tr.step, current_lr(tr))
+            tr.recorder.flush(tr.epoch, tr.step)
+            tr.sample_offset = sampler.consumed(i + 1, tr.cfg.data.batch_size)
+            after_step(tr, stop, end_of_epoch=i + 1 == n_batches)
             if reached_max_steps(tr):
                 break
-    all_reduce_sum(totals)
+    tr.watchdog.disarm()
+    totals = all_reduce_sum(tr.epoch_totals.clone()).tolist()
     elapsed = time.perf_counter() - start
-    loss_sum, count = totals.tolist()
-    return {"train/loss": loss_sum / max(count, 1), "samples_per_s": count / elapsed}
+    return {"train/loss": totals[0] / max(totals[1], 1), "samples_per_s": totals[1] / elapsed}
+
+
+def after_step(tr: Training, stop: StopRequest, end_of_epoch: bool) -> None:
+    """Step-boundary duties: a requested stop, step checkpoints, the log line."""
+    tr.watchdog.beat()
+    maybe_inject(tr.step, tr.rt.rank)
+    if stop.poll():
+        save(tr)
+        stopped = Preempted(tr.step, stop.signum)
+        log.warning("%s: checkpoint written, exiting with code %d", stopped, PREEMPTED_EXIT)
+        raise stopped
+    every = tr.cfg.trainer.ckpt_every_steps
+    if every and tr.step % every == 0 and not end_of_epoch:
+        save(tr)
+    if tr.step % tr.cfg.trainer.log_every_steps == 0:
+        log.info("epoch %d step %d lr %.4g", tr.epoch, tr.step, current_lr(tr))
 
 
 def current_lr(tr: Training) -> float:
@@ -172,23 +201,8 @@ def reached_max_steps(tr: Training) -> bool:
     return tr.cfg.trainer.max_steps is not None and tr.step >= tr.cfg.trainer.max_steps
 
 
-def checkpoint_state(tr: Training) -> dict[str, Any]:
-    """Plain tensors and containers only, so ``torch.load(weights_only=True)`` reads it."""
-    return {
-        "model": tr.raw_model.state_dict(),
-        "optimizer": tr.optimizer.state_dict(),
-        "scheduler": tr.scheduler.state_dict(),
-        "scaler": tr.scaler.state_dict(),
-        "epoch": tr.epoch,
-        "step": tr.step,
-        "best_accuracy": tr.best_accuracy,
-        "world_size": tr.rt.world_size,
-        "config": OmegaConf.to_container(OmegaConf.structured(tr.cfg), resolve=True),
-    }
-
-
 def validate_and_save(tr: Training, train_stats: dict[str, float]) -> dict[str, Any]:
-    """Score the epoch on every rank, log it, and write last.pt (and best.pt) from the main rank."""
+    """Score the epoch on every rank, log it, then checkpoint the start of the next epoch."""
     val = evaluate(
         tr.raw_model, tr.data.val, tr.data.preprocess_eval, tr.rt, tr.cfg.data.num_classes, tr.amp
     )
@@ -203,49 +217,52 @@ def validate_and_save(tr: Training, train_stats: dict[str, float]) -> dict[str, 
         "val/num_samples": val["num_samples"],
     }
     append_metrics(tr.run_dir, record, tr.rt)
-    is_best = val["accuracy"] > tr.best_accuracy
-    if is_best:
-        tr.best_accuracy = val["accuracy"]
-    ckpt_dir = tr.run_dir / "checkpoints"
-    paths = [ckpt_dir / "last.pt"] + ([ckpt_dir / "best.pt"] if is_best else [])
-    save_on_main(checkpoint_state(tr), paths, tr.rt)
     log.info(
         "epoch %d | step %d | train/loss %.4f | val/loss %.4f | val/accuracy %.4f (%d samples) "
         "| %.0f samples/s",
-        tr.epoch,
-        tr.step,
-        record["train/loss"],
-        val["loss"],
-        val["accuracy"],
-        val["num_samples"],
-        record["samples_per_s"],
-    )
+        tr.epoch, tr.step, record["train/loss"], val["loss"], val["accuracy"],
+        val["num_samples"], record["samples_per_s"],
+    )  # fmt: skip
+    is_best = val["accuracy"] > tr.best_accuracy
+    tr.best_accuracy = max(tr.best_accuracy, val["accuracy"])
+    tr.epoch, tr.sample_offset = tr.epoch + 1, 0
+    tr.epoch_totals.zero_()
+    save(tr, is_best=is_best)
     return record
 
 
 def fit(cfg: TrainConfig, rt: Runtime) -> float:
-    """Train for ``trainer.epochs`` (or ``trainer.max_steps``); return the last val accuracy."""
+    """Train for ``trainer.epochs`` (or ``trainer.max_steps``); return the last val accuracy.
+
+    Resumes from ``run_dir``'s newest checkpoint (``resume=auto``) or ``resume=PATH``.
+    """
     check_runtime(cfg.trainer, rt)
     run_dir = resolve_run_dir(cfg.run_dir, rt)
     setup_logging(run_dir, rt, "train")
-    write_config(run_dir, cfg, rt)
     tr = build_training(cfg, rt, run_dir)
+    resume(tr)
+    write_config(run_dir, cfg, rt)
     t = cfg.trainer
     log.info(
         "run_dir %s | world size %d | device %s | backend %s | global batch %d "
         "(%d per process x %d processes x %d accumulation steps) | %d steps",
-        run_dir,
-        rt.world_size,
-        rt.device,
-        rt.backend,
+        run_dir, rt.world_size, rt.device, rt.backend,
         cfg.data.batch_size * rt.world_size * t.grad_accum_steps,
-        cfg.data.batch_size,
-        rt.world_size,
-        t.grad_accum_steps,
-        tr.total_steps,
-    )
+        cfg.data.batch_size, rt.world_size, t.grad_accum_steps, tr.total_steps,
+    )  # fmt: skip
     record: dict[str, Any] = {}
-    while tr.epoch < t.epochs and not reached_max_steps(tr):
-        record = validate_and_save(tr, train_one_epoch(tr))
-        tr.epoch += 1
+    if tr.epoch >= t.epochs or reached_max_steps(tr):
+        log.info("nothing to train: the run already did %d epochs, %d steps", tr.epoch, tr.step)
+    stop = StopRequest(timedelta(seconds=t.timeout_s))
+    tr.watchdog = StepWatchdog(t.timeout_s, rt.rank)
+    try:
+        while tr.epoch < t.epochs and not reached_max_steps(tr):
+            record = validate_and_save(tr, train_one_epoch(tr, stop))
+    except BaseException:
+        stop.close(drain=False)
+        raise
+    else:
+        stop.close()
+    finally:
+        tr.watchdog.close()
     return float(record.get("val/accuracy", float("nan")))

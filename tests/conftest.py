@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import socket
 import subprocess
 import sys
@@ -32,6 +33,31 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def command(script: str, args: tuple[str, ...], nproc: int | None, launcher: tuple = ()) -> list:
+    """``python SCRIPT args`` (nproc=None) or ``torchrun --standalone --nproc_per_node=N``."""
+    script = str(ROOT / script)
+    if nproc is None:
+        return [sys.executable, script, *args]
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc_per_node={nproc}", *launcher, script, *args,
+    ]  # fmt: skip
+
+
+def start_script(
+    script: str, *args: str, nproc: int | None = None, launcher: tuple = (), **env: str
+) -> subprocess.Popen:
+    """Start in the background (stdout and stderr to pipes), for tests that signal it."""
+    return subprocess.Popen(
+        command(script, args, nproc, launcher),
+        cwd=ROOT,
+        env=child_env(**env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
 def run_script(
     script: str,
     *args: str,
@@ -39,18 +65,13 @@ def run_script(
     timeout: float = 300,
     check: bool = True,
     cwd: Path = ROOT,
+    launcher: tuple = (),
+    env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
-    """``python SCRIPT args`` (nproc=None) or ``torchrun --standalone --nproc_per_node=N``."""
-    script = str(ROOT / script)
-    if nproc is None:
-        cmd = [sys.executable, script, *args]
-    else:
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc_per_node={nproc}", script, *args,
-        ]  # fmt: skip
+    """Run to the end; with ``check``, fail the test on a non-zero exit, showing the output."""
+    cmd = command(script, args, nproc, launcher)
     proc = subprocess.run(
-        cmd, cwd=cwd, env=child_env(), capture_output=True, text=True, timeout=timeout
+        cmd, cwd=cwd, env=child_env(**(env or {})), capture_output=True, text=True, timeout=timeout
     )
     if check and proc.returncode != 0:
         raise AssertionError(
@@ -62,3 +83,17 @@ def run_script(
 
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+class _RunsCode:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def write_malicious_checkpoint(path: Path, marker: Path) -> Path:
+    """A .pt whose unpickling would run ``touch marker``: loading it must be refused."""
+    path.write_bytes(pickle.dumps({"model": _RunsCode(marker), "config": {}}))
+    return path

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
-import pickle
 
 import pytest
-from conftest import MNIST_ROOT, needs_mnist, read_metrics, run_script
+from conftest import (
+    MNIST_ROOT,
+    needs_mnist,
+    read_metrics,
+    run_script,
+    write_malicious_checkpoint,
+)
 
 EVAL_KEYS = {
     "accuracy", "top5", "f1_macro", "loss", "num_samples", "per_class_accuracy",
@@ -60,11 +64,6 @@ def _torn(src, dst):
     return dst
 
 
-class _RunsCode:
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
-
-
 @pytest.mark.parametrize(
     "case", ["missing", "torn", "other_model", "other_classes", "no_data", "malicious"]
 )
@@ -91,9 +90,7 @@ def test_bad_input_gives_a_clear_message_and_a_non_zero_exit(case, digits_run, t
         "malicious": ([f"checkpoint={tmp_path / 'evil.pt'}"], "arbitrary unpickling"),
     }[case]
     if case == "malicious":
-        payload = _RunsCode()
-        payload.marker = marker
-        (tmp_path / "evil.pt").write_bytes(pickle.dumps({"model": payload, "config": {}}))
+        write_malicious_checkpoint(tmp_path / "evil.pt", marker)
     proc = run_script("eval.py", *args, f"output={tmp_path}/out.json", check=False)
     assert proc.returncode == 2, proc.stderr
     assert expected in proc.stderr and "Traceback" not in proc.stderr

@@ -1,0 +1,193 @@
+"""Saving and restoring the full training state, so that a restart loses nothing."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from ddp_utils.checkpoint import (
+    load_checkpoint,
+    newest_loadable,
+    save_training_checkpoint,
+    step_checkpoints,
+)
+from ddp_utils.config import ConfigError, TrainConfig
+from ddp_utils.dist import Runtime, all_reduce_sum, broadcast_object
+from ddp_utils.run import log
+
+if TYPE_CHECKING:
+    from ddp_utils.trainer import Training
+
+# Keys whose change makes a checkpoint belong to another experiment: the model, the data set,
+# and the seed (it decides every epoch's sample order, which a mid-epoch resume continues).
+IDENTITY_KEYS = (
+    "model.",
+    "data.name", "data.in_channels", "data.image_size", "data.num_classes", "data.mean",
+    "data.std", "data.val_fraction", "data.split_seed", "data.num_train", "data.num_val",
+    "seed",
+)  # fmt: skip
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def capture_rng(device: torch.device) -> dict[str, Any]:
+    np_state = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+        "python": random.getstate(),
+        # Plain ints: weights_only loading accepts no numpy arrays.
+        "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+    }
+
+
+def restore_rng(state: dict[str, Any], device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, *rest = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
+
+
+def checkpoint_state(tr: Training) -> dict[str, Any]:
+    """The whole training state; every rank must call it (it gathers each rank's RNG state).
+
+    Plain tensors and containers only, so ``torch.load(weights_only=True)`` reads it.
+    """
+    rng = [None] * tr.rt.world_size
+    dist.all_gather_object(rng, capture_rng(tr.rt.device))
+    epoch_totals = all_reduce_sum(tr.epoch_totals.clone()).cpu()
+    return {
+        "model": tr.raw_model.state_dict(),
+        "optimizer": tr.optimizer.state_dict(),
+        "scheduler": tr.scheduler.state_dict(),
+        "scaler": tr.scaler.state_dict(),
+        "epoch": tr.epoch,
+        "step": tr.step,
+        "sample_offset": tr.sample_offset,
+        "epoch_totals": epoch_totals,
+        "sampler": {"seed": tr.cfg.seed, "epoch": tr.epoch, "start": tr.sample_offset},
+        "rng": rng,
+        "best_accuracy": tr.best_accuracy,
+        "world_size": tr.rt.world_size,
+        "config": OmegaConf.to_container(OmegaConf.structured(tr.cfg), resolve=True),
+    }
+
+
+def save(tr: Training, is_best: bool = False) -> None:
+    """Checkpoint from every rank's state; the main rank writes, everyone waits for it."""
+    state = checkpoint_state(tr)
+    ckpt_dir = tr.run_dir / "checkpoints"
+    save_training_checkpoint(state, ckpt_dir, is_best, tr.cfg.trainer.keep_last, tr.rt)
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def config_changes(stored: dict[str, Any], cfg: TrainConfig) -> tuple[list[str], list[str]]:
+    """(refused, allowed) changes between a checkpoint's config and this run's, as 'key: a -> b'."""
+    old = _flatten(stored)
+    new = _flatten(OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True))
+    refused, allowed = [], []
+    for key in sorted(old.keys() | new.keys()):
+        if key == "resume" or old.get(key) == new.get(key):
+            continue
+        change = f"{key}: {old.get(key)!r} -> {new.get(key)!r}"
+        is_identity = any(
+            key == k or (k.endswith(".") and key.startswith(k)) for k in IDENTITY_KEYS
+        )
+        (refused if is_identity else allowed).append(change)
+    return refused, allowed
+
+
+def pick_checkpoint(resume_from: str, run_dir: Path) -> tuple[Path | None, str | None]:
+    """(checkpoint to resume from, or None; error message, or None) for the main rank."""
+    ckpt_dir = run_dir / "checkpoints"
+    try:
+        if resume_from == "never":
+            if step_checkpoints(ckpt_dir) or (ckpt_dir / "last.pt").exists():
+                return None, (
+                    f"resume=never but run_dir={run_dir} already holds checkpoints. Continue "
+                    "it with resume=auto, or start fresh with another run_dir=PATH."
+                )
+            return None, None
+        if resume_from == "auto":
+            return newest_loadable(ckpt_dir, log.warning), None
+        load_checkpoint(resume_from)
+        return Path(resume_from), None
+    except ConfigError as e:
+        return None, str(e)
+
+
+def resume(tr: Training) -> None:
+    """Restore ``tr`` from the checkpoint that ``resume`` names, if any (same on every rank)."""
+    choice = pick_checkpoint(tr.cfg.resume, tr.run_dir) if tr.rt.is_main else None
+    path, error = broadcast_object(choice)
+    if error:
+        raise ConfigError(error)
+    if path is None:
+        return
+    ckpt = load_checkpoint(path)
+    refused, allowed = config_changes(ckpt["config"], tr.cfg)
+    if refused:
+        raise ConfigError(
+            f"cannot resume from {path}: this run changes the model, data set or seed:\n  "
+            + "\n  ".join(refused)
+            + "\nResume with the checkpoint's settings, or start a new run (another run_dir)."
+        )
+    if allowed:
+        log.info("resuming with changed settings: %s", "; ".join(allowed))
+    restore(tr, ckpt)
+    trim_metrics(tr.run_dir / "metrics.jsonl", tr.step, tr.rt)
+    log.info(
+        "resumed from %s: epoch %d, step %d, %d samples into the epoch (saved at world size %d)",
+        path, tr.epoch, tr.step, tr.sample_offset, ckpt["world_size"],
+    )  # fmt: skip
+
+
+def restore(tr: Training, ckpt: dict[str, Any]) -> None:
+    tr.raw_model.load_state_dict(ckpt["model"])
+    tr.optimizer.load_state_dict(ckpt["optimizer"])
+    tr.scheduler.load_state_dict(ckpt["scheduler"])
+    tr.scaler.load_state_dict(ckpt["scaler"])
+    tr.epoch, tr.step = ckpt["epoch"], ckpt["step"]
+    tr.sample_offset, tr.best_accuracy = ckpt["sample_offset"], ckpt["best_accuracy"]
+    # The epoch's running loss continues from the saved global totals, held by one rank.
+    tr.epoch_totals.zero_()
+    if tr.rt.is_main:
+        tr.epoch_totals += ckpt["epoch_totals"].to(tr.epoch_totals)
+    if ckpt["world_size"] == tr.rt.world_size:
+        restore_rng(ckpt["rng"][tr.rt.rank], tr.rt.device)
+    else:
+        # Another world size: no rank's stream carries over; derive fresh, distinct ones.
+        seed_everything(tr.cfg.seed + 1_000_003 * (tr.step + 1) + tr.rt.rank)
+
+
+def trim_metrics(path: Path, step: int, rt: Runtime) -> None:
+    """Drop records logged after the checkpoint, which the resumed run will log again."""
+    if not rt.is_main or not path.exists():
+        return
+    lines = path.read_text().splitlines()
+    kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
+    if len(kept) != len(lines):
+        path.write_text("".join(line + "\n" for line in kept))

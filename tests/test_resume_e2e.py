@@ -1,0 +1,165 @@
+"""Fault tolerance with real gloo processes: kills, SIGTERM, torn files, re-sharding, stalls."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import time
+from collections import Counter
+
+import pytest
+import torch
+from conftest import read_metrics, run_script, start_script, write_malicious_checkpoint
+
+from ddp_utils.preemption import PREEMPTED_EXIT
+
+# Small batches give enough steps (72 per epoch at 2 processes) to interrupt mid-epoch.
+RUN = ("trainer.epochs=2", "data.batch_size=10", "trainer.ckpt_every_steps=10")
+
+
+def params(run_dir, name="last.pt"):
+    return torch.load(run_dir / "checkpoints" / name, weights_only=True)["model"]
+
+
+def assert_same_params(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted run every interrupted one must match exactly."""
+    run = tmp_path_factory.mktemp("reference")
+    run_script("train.py", *RUN, f"run_dir={run}", nproc=2)
+    return run
+
+
+def test_sigkill_mid_epoch_then_elastic_restart_matches_uninterrupted(reference, tmp_path):
+    proc = run_script(
+        "train.py", *RUN, f"run_dir={tmp_path}", nproc=2, launcher=("--max-restarts=1",),
+        env={"DDP_RECIPES_FAULT": "kill:97:1"},  # epoch 1, step 25 of 72; newest ckpt: 90
+    )  # fmt: skip
+    assert "exitcode: -9" in proc.stderr or "-9" in proc.stderr  # the worker really died
+    log = (tmp_path / "train.log").read_text()
+    assert "resumed from" in log and "step 90" in log
+    assert_same_params(params(tmp_path), params(reference))
+    assert [r["step"] for r in read_metrics(tmp_path)] == [72, 144]
+
+
+def _wait_for(path_glob, proc, timeout=120):
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        if path_glob():
+            return
+        time.sleep(0.02)
+    raise AssertionError("the run ended or stalled before the awaited file appeared")
+
+
+def test_sigterm_to_torchrun_checkpoints_the_stop_step_and_relaunch_matches(reference, tmp_path):
+    args = (*RUN, f"run_dir={tmp_path}")
+    proc = start_script("train.py", *args, nproc=2)
+    _wait_for(lambda: list((tmp_path / "checkpoints").glob("step_*.pt")), proc)
+    proc.send_signal(signal.SIGTERM)  # to the torchrun agent, which forwards it to the workers
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    log = (tmp_path / "train.log").read_text()
+    assert f"exiting with code {PREEMPTED_EXIT}" in log, out + err
+    stop_step = int(log.split("stopped by SIGTERM at step ")[1].split(":")[0])
+    ckpt = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)
+    assert ckpt["step"] == stop_step and stop_step < 144
+    run_script("train.py", *args, nproc=2)  # the same command again resumes and finishes
+    assert_same_params(params(tmp_path), params(reference))
+
+
+def test_sigterm_exit_code_of_a_plain_process(tmp_path):
+    proc = start_script("train.py", *RUN, f"run_dir={tmp_path}")
+    _wait_for(lambda: list((tmp_path / "checkpoints").glob("step_*.pt")), proc)
+    proc.send_signal(signal.SIGUSR1)  # what SLURM sends before a time limit
+    proc.communicate(timeout=60)
+    assert proc.returncode == PREEMPTED_EXIT
+
+
+def test_torn_newest_checkpoint_resumes_from_the_previous_one(reference, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    steps = sorted((run / "checkpoints").glob("step_*.pt"))
+    assert [p.name for p in steps] == ["step_00000140.pt", "step_00000144.pt"]
+    newest = steps[-1]
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # last.pt shares it
+    proc = run_script("train.py", *RUN, "trainer.epochs=3", f"run_dir={run}")
+    assert "skipping a checkpoint that does not load" in proc.stdout + proc.stderr
+    assert "resumed from" in proc.stdout and "step_00000140.pt" in proc.stdout
+    # From step 140 (1,360 samples into epoch 1) at world size 1, batch 10: the 78 left take
+    # 8 steps, then epoch 2 takes 144.
+    assert [r["step"] for r in read_metrics(run)] == [72, 148, 292]
+
+
+def _epoch_records(folder, epoch, max_step=None):
+    seen = Counter()
+    for path in folder.glob("rank*.jsonl"):
+        for line in path.read_text().splitlines():
+            r = json.loads(line)
+            if r["epoch"] == epoch and (max_step is None or r["step"] <= max_step):
+                seen.update(r["indices"])
+    return seen
+
+
+@pytest.mark.parametrize("new_world_size", [1, 3])
+def test_resume_at_another_world_size_sees_each_sample_once(tmp_path_factory, new_world_size):
+    base = tmp_path_factory.getbasetemp() / "reshard_base"
+    if not base.exists():  # one interrupted run serves both parametrisations
+        proc = run_script(
+            "train.py", *RUN, f"run_dir={base}/run", nproc=2, check=False,
+            env={"DDP_RECIPES_FAULT": "kill:95:0", "DDP_RECIPES_RECORD_SAMPLES": str(base)},
+        )  # fmt: skip
+        assert proc.returncode != 0
+    ckpt = torch.load(base / "run" / "checkpoints" / "last.pt", weights_only=True)
+    assert (ckpt["epoch"], ckpt["step"]) == (1, 90) and 0 < ckpt["sample_offset"] < 1438
+    run, rec = base / f"run_w{new_world_size}", base / f"rec_w{new_world_size}"
+    shutil.copytree(base / "run", run)
+    rec.mkdir()
+    nproc = None if new_world_size == 1 else new_world_size
+    run_script("train.py", *RUN, f"run_dir={run}", nproc=nproc,
+               env={"DDP_RECIPES_RECORD_SAMPLES": str(rec)})  # fmt: skip
+    before = _epoch_records(base, epoch=1, max_step=ckpt["step"])
+    after = _epoch_records(rec, epoch=1)
+    seen = before + after
+    assert sum(before.values()) == ckpt["sample_offset"]
+    assert set(seen) == set(range(1438)) and set(seen.values()) == {1}
+
+
+@pytest.mark.parametrize("case", ["malicious", "never", "changed_model"])
+def test_resume_refusals(reference, tmp_path, case):
+    marker = tmp_path / "code_ran"
+    if case == "malicious":
+        evil = write_malicious_checkpoint(tmp_path / "evil.pt", marker)
+        args, expected = [f"resume={evil}", f"run_dir={tmp_path}/run"], "arbitrary unpickling"
+    elif case == "never":
+        args, expected = [f"run_dir={reference}", "resume=never"], "resume=auto"
+    else:
+        run = tmp_path / "run"
+        shutil.copytree(reference, run)
+        args, expected = [f"run_dir={run}", "model=mlp"], "model.name: 'convnet' -> 'mlp'"
+    proc = run_script("train.py", *RUN, *args, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert expected in proc.stderr and "Traceback" not in proc.stderr
+    assert not marker.exists()
+
+
+def test_a_stalled_rank_ends_the_job_within_the_timeout(tmp_path):
+    timeout_s = 10
+    mark = tmp_path / "stall_began"
+    start = time.time()
+    proc = run_script(
+        "train.py", *RUN, f"run_dir={tmp_path}/run", f"trainer.timeout_s={timeout_s}",
+        nproc=2, check=False,
+        env={"DDP_RECIPES_FAULT": "stall:15:1", "DDP_RECIPES_FAULT_MARK": str(mark)},
+    )  # fmt: skip
+    ended = time.time()
+    assert proc.returncode != 0
+    stalled_at = float(mark.read_text())
+    assert start < stalled_at < ended
+    assert ended - stalled_at <= timeout_s + 8, ended - stalled_at
+    assert "no training step for 10 s" in proc.stderr
