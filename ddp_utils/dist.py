@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+import re
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -54,21 +55,51 @@ class LaunchEnv:
         return self.master_addr is not None
 
 
-def read_launch_env(env: dict[str, str] | None = None) -> LaunchEnv:
-    """Read torchrun's variables; without them this is a single process of world size 1."""
+def read_launch_env(env: Mapping[str, str] | None = None) -> LaunchEnv:
+    """Read torchrun's variables, else SLURM's (srun without torchrun); without either this is
+    a single process of world size 1."""
     env = os.environ if env is None else env
-    if "RANK" not in env or "WORLD_SIZE" not in env:
-        return LaunchEnv()
-    world_size = int(env["WORLD_SIZE"])
+    if "RANK" in env and "WORLD_SIZE" in env:
+        world_size = int(env["WORLD_SIZE"])
+        return LaunchEnv(
+            rank=int(env["RANK"]),
+            local_rank=int(env.get("LOCAL_RANK", "0")),
+            world_size=world_size,
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE", str(world_size))),
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(env.get("MASTER_PORT", "29500")),
+            run_id=env.get("TORCHELASTIC_RUN_ID"),
+        )
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        return read_slurm_env(env)
+    return LaunchEnv()
+
+
+def read_slurm_env(env: Mapping[str, str]) -> LaunchEnv:
+    """One process per SLURM task: ranks from SLURM_PROCID / SLURM_LOCALID / SLURM_NTASKS, the
+    master on the job's first node (MASTER_ADDR and MASTER_PORT override)."""
+    job_id = env.get("SLURM_JOB_ID", "0")
+    world_size = int(env["SLURM_NTASKS"])
+    per_node = env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE", "")
+    local_world = int(per_node.split("(")[0].split(",")[0]) if per_node else world_size
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", "127.0.0.1")
     return LaunchEnv(
-        rank=int(env["RANK"]),
-        local_rank=int(env.get("LOCAL_RANK", "0")),
+        rank=int(env["SLURM_PROCID"]),
+        local_rank=int(env.get("SLURM_LOCALID", "0")),
         world_size=world_size,
-        local_world_size=int(env.get("LOCAL_WORLD_SIZE", str(world_size))),
-        master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
-        master_port=int(env.get("MASTER_PORT", "29500")),
-        run_id=env.get("TORCHELASTIC_RUN_ID"),
+        local_world_size=local_world,
+        master_addr=env.get("MASTER_ADDR") or first_host(nodelist),
+        # Jobs sharing a node get different ports; the range avoids the ephemeral ports.
+        master_port=int(env.get("MASTER_PORT") or 15000 + int(job_id) % 20000),
+        run_id=f"slurm{job_id}",
     )
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: ``gpu[007-009,012],cpu1`` -> ``gpu007``."""
+    first = re.match(r"[^,\[]*(\[[^\]]*\])?[^,]*", nodelist.strip()).group(0)
+    m = re.fullmatch(r"([^\[]*)\[([^\],-]+)[^\]]*\](.*)", first)
+    return f"{m.group(1)}{m.group(2)}{m.group(3)}" if m else first
 
 
 def pick_device(cfg: TrainerConfig, launch: LaunchEnv) -> torch.device:
@@ -103,7 +134,9 @@ def launch_store(launch: LaunchEnv, timeout: timedelta) -> dist.Store:
     torchrun shares its own TCPStore with the workers and keeps it across restarts, so the
     workers of a restarted group can read the previous attempt's addresses and fail to
     connect (pytorch/pytorch#135712). Prefixing the keys with the restart count keeps each
-    attempt apart.
+    attempt apart. Each agent counts its own restarts, so across nodes the counts can differ:
+    multi-node jobs with --max-restarts should set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, which
+    gives every attempt a new store of its own (see the README).
     """
     agent_hosts_it = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(
@@ -114,6 +147,8 @@ def launch_store(launch: LaunchEnv, timeout: timedelta) -> dist.Store:
         timeout=timeout,
         wait_for_workers=False,
     )
+    if not agent_hosts_it:
+        return store  # rank 0 hosts a new store for every attempt: nothing stale in it
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return dist.PrefixStore(f"ddp_recipes/attempt{attempt}", store)
 

@@ -19,10 +19,15 @@ LOGGER_NAME = "ddp_recipes"
 log = logging.getLogger(LOGGER_NAME)
 
 
+def run_tag(run_id: str) -> str:
+    """A short, readable tag of a launcher's run id (a uuid from --standalone is cut to 8)."""
+    return run_id if len(run_id) <= 16 else run_id[:8]
+
+
 def _default_run_dir(base: Path, run_id: str | None) -> Path:
     """outputs/<date>_<run id>: reuse the folder of this run id, so a restart finds it again."""
     if run_id:
-        tag = run_id[:8]
+        tag = run_tag(run_id)
         existing = sorted(base.glob(f"*_{tag}")) if base.is_dir() else []
         if existing:
             return existing[-1]
