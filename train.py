@@ -4,6 +4,9 @@ One process (world size 1):
     python train.py
 One node, 8 processes:
     torchrun --standalone --nproc_per_node=8 train.py optim.lr=0.1 data=mnist
+A sweep, every job on all ranks (or each job as its own torchrun job):
+    torchrun --standalone --nproc_per_node=2 train.py -m optim.lr=0.1,0.01
+    python train.py -m hydra/launcher=torchrun hydra.launcher.nproc_per_node=2 optim.lr=0.1,0.01
 Many nodes (run on each):
     torchrun --nnodes=4 --nproc_per_node=8 --rdzv-backend=c10d \
         --rdzv-endpoint=HOST:PORT --rdzv-id=JOB train.py
@@ -16,6 +19,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from ddp_utils.config import register_configs, to_schema
 from ddp_utils.dist import init_distributed, shutdown
 from ddp_utils.entry import clean_exit
+from ddp_utils.sweep import in_sweep, sweep_job_dir
 from ddp_utils.trainer import fit
 
 register_configs()
@@ -28,9 +32,10 @@ def main(cfg: DictConfig) -> float:
         try:
             train_cfg = to_schema(cfg)
             rt = init_distributed(train_cfg.trainer)
-            return fit(train_cfg, rt)
+            return fit(train_cfg, rt, default_run_dir=sweep_job_dir())
         finally:
-            shutdown()
+            if not in_sweep():  # a sweep's jobs share the process group
+                shutdown()
 
 
 if __name__ == "__main__":

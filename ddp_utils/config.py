@@ -121,6 +121,9 @@ class EvalConfig(TrainConfig):
 
 
 def register_configs() -> None:
+    from ddp_utils.sweep import register_sweep_configs  # imports Hydra's plugin API
+
+    register_sweep_configs()
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainConfig)
     cs.store(name="eval_schema", node=EvalConfig)

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import re
@@ -176,6 +177,8 @@ def init_distributed(cfg: TrainerConfig, env: dict[str, str] | None = None) -> R
             # A one-process group keeps DDP and torchmetrics on the same code path as torchrun.
             store = dist.HashStore()
             dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+        # A sweep keeps the group for all its jobs; it is left when the process exits.
+        atexit.register(shutdown)
     return Runtime(
         rank=launch.rank,
         local_rank=launch.local_rank,

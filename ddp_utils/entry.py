@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from ddp_utils.config import ConfigError
 from ddp_utils.dist import read_launch_env
 from ddp_utils.preemption import PREEMPTED_EXIT, Preempted
+from ddp_utils.sweep import in_sweep
 
 USER_ERROR_EXIT = 2
 NON_MAIN_EXIT_DELAY_S = 2.0
@@ -27,6 +28,8 @@ def clean_exit() -> Iterator[None]:
     except Preempted:
         sys.exit(PREEMPTED_EXIT)  # the trainer logged the stop; relaunching resumes
     except ConfigError as e:
+        if in_sweep():
+            raise  # Hydra records this job as failed and the sweep goes on to the next one
         rank = read_launch_env().rank
         if rank == 0 or e.rank_specific:
             prefix = f"[rank {rank}] " if rank else ""

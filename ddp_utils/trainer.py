@@ -209,6 +209,7 @@ def validate_and_save(tr: Training, train_stats: dict[str, float]) -> dict[str, 
     record = {
         "epoch": tr.epoch,
         "step": tr.step,
+        "world_size": tr.rt.world_size,
         "lr": current_lr(tr),
         **train_stats,
         "val/accuracy": val["accuracy"],
@@ -231,13 +232,14 @@ def validate_and_save(tr: Training, train_stats: dict[str, float]) -> dict[str, 
     return record
 
 
-def fit(cfg: TrainConfig, rt: Runtime) -> float:
+def fit(cfg: TrainConfig, rt: Runtime, default_run_dir: str | None = None) -> float:
     """Train for ``trainer.epochs`` (or ``trainer.max_steps``); return the last val accuracy.
 
     Resumes from ``run_dir``'s newest checkpoint (``resume=auto``) or ``resume=PATH``.
+    ``default_run_dir`` (a sweep job's folder) applies when ``run_dir`` is null.
     """
     check_runtime(cfg.trainer, rt)
-    run_dir = resolve_run_dir(cfg.run_dir, rt)
+    run_dir = resolve_run_dir(cfg.run_dir or default_run_dir, rt)
     setup_logging(run_dir, rt, "train")
     tr = build_training(cfg, rt, run_dir)
     resume(tr)

@@ -11,7 +11,14 @@ from torch.utils.data import DistributedSampler
 
 from ddp_utils.config import ConfigError, DataConfig, ModelConfig, SchedConfig, TrainerConfig
 from ddp_utils.data import Preprocess, load_split, random_crop_flip
-from ddp_utils.dist import init_distributed, pick_backend, pick_device, read_launch_env, shutdown
+from ddp_utils.dist import (
+    first_host,
+    init_distributed,
+    pick_backend,
+    pick_device,
+    read_launch_env,
+    shutdown,
+)
 from ddp_utils.models import build_model
 from ddp_utils.optim import lr_factor
 from ddp_utils.samplers import EvalShardSampler
@@ -158,3 +165,48 @@ def test_preprocess_normalises_and_augments_in_batch():
     crops = random_crop_flip(torch.arange(1, 2 * 32 * 32 + 1.0).view(2, 1, 32, 32), padding=4)
     assert crops.shape == (2, 1, 32, 32)
     assert (crops == 0).any()  # some zero padding shifted in
+
+
+def test_slurm_environment_without_torchrun():
+    env = read_launch_env(
+        {
+            "SLURM_PROCID": "9",
+            "SLURM_LOCALID": "1",
+            "SLURM_NTASKS": "16",
+            "SLURM_TASKS_PER_NODE": "8(x2)",
+            "SLURM_JOB_NODELIST": "gpu[007-008,012],cpu1",
+            "SLURM_JOB_ID": "4242",
+        }  # fmt: skip
+    )
+    assert (env.rank, env.local_rank, env.world_size, env.local_world_size) == (9, 1, 16, 8)
+    assert env.master_addr == "gpu007" and env.master_port == 15000 + 4242
+    assert env.run_id == "slurm4242" and env.launched
+
+
+def test_torchrun_variables_win_over_slurm_and_master_can_be_set():
+    both = {**TORCHRUN_ENV, "SLURM_PROCID": "0", "SLURM_NTASKS": "1"}
+    assert read_launch_env(both).rank == 5
+    env = read_launch_env(
+        {
+            "SLURM_PROCID": "0",
+            "SLURM_NTASKS": "2",
+            "SLURM_JOB_NODELIST": "n1",
+            "MASTER_ADDR": "head",
+            "MASTER_PORT": "1234",
+        }  # fmt: skip
+    )
+    assert (env.master_addr, env.master_port, env.local_world_size) == ("head", 1234, 2)
+
+
+@pytest.mark.parametrize(
+    "nodelist,first",
+    [
+        ("node1", "node1"),
+        ("a-b[1-2]", "a-b1"),
+        ("n[03]x,m1", "n03x"),
+        ("h1,h2", "h1"),
+        ("gpu[12,4]", "gpu12"),
+    ],  # fmt: skip
+)
+def test_first_host_of_a_slurm_node_list(nodelist, first):
+    assert first_host(nodelist) == first

@@ -1,0 +1,121 @@
+"""Hydra sweeps under DDP: a shared sweep directory, a torchrun launcher, and a summary.
+
+Two ways to sweep:
+- ``torchrun ... train.py -m optim.lr=0.1,0.01``: every rank runs Hydra's basic launcher, so
+  all ranks run the same jobs in the same order, in-process, reusing one process group. The
+  sweep directory is named from torchrun's run id, so all ranks share it.
+- ``python train.py -m hydra/launcher=torchrun hydra.launcher.nproc_per_node=2 ...``: the
+  launcher in ``hydra_plugins/ddp_recipes_launcher`` runs each job as its own torchrun job,
+  one at a time.
+
+Either way ``SweepSummary`` (a Hydra callback) writes ``job.json`` into each job's directory
+and ``summary.csv`` / ``summary.json`` into the sweep directory, from global rank 0.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.utils import JobReturn, JobStatus, filter_overrides
+from hydra.experimental.callback import Callback
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+from ddp_utils.dist import read_launch_env
+from ddp_utils.run import run_tag
+
+log = logging.getLogger(__name__)
+SUMMARY_KEYS = (
+    "world_size", "epoch", "step", "train/loss", "val/loss", "val/accuracy", "val/f1_macro",
+)  # fmt: skip
+# Resolved once per process: a launcher re-resolves the sweep directory for every job.
+_STARTED = time.strftime("%Y-%m-%d_%H-%M-%S")
+
+
+def sweep_dir_name() -> str:
+    """``multirun/<run id>`` under torchrun (the same on every rank), else a timestamp."""
+    run_id = read_launch_env().run_id
+    if run_id and run_id != "none":
+        return f"multirun/{run_tag(run_id)}"
+    return f"multirun/{_STARTED}"
+
+
+def in_sweep() -> bool:
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def sweep_job_dir() -> str | None:
+    """The job's own folder inside the sweep directory, when this process runs a sweep job."""
+    return HydraConfig.get().runtime.output_dir if in_sweep() else None
+
+
+def final_metrics(job_dir: Path) -> dict[str, Any]:
+    path = job_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    last = json.loads(lines[-1]) if lines else {}
+    return {k: last[k] for k in SUMMARY_KEYS if k in last}
+
+
+def write_summary(sweep_dir: Path) -> list[dict[str, Any]]:
+    """Collect every ``<job>/job.json`` into ``summary.csv`` and ``summary.json``."""
+    rows = []
+    for job_file in sorted(sweep_dir.glob("*/job.json"), key=lambda p: int(p.parent.name)):
+        job = json.loads(job_file.read_text())
+        rows.append({**job, **final_metrics(job_file.parent)})
+    (sweep_dir / "summary.json").write_text(json.dumps(rows, indent=2))
+    columns = ["job", "overrides", "status", *SUMMARY_KEYS, "error"]
+    with open(sweep_dir / "summary.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows({**r, "overrides": " ".join(r["overrides"])} for r in rows)
+    return rows
+
+
+def format_summary(rows: list[dict[str, Any]]) -> str:
+    lines = [f"{'job':>4}  {'status':<9} {'val/accuracy':>12} {'train/loss':>10}  overrides"]
+    for r in rows:
+        acc = f"{r['val/accuracy']:.4f}" if "val/accuracy" in r else "-"
+        loss = f"{r['train/loss']:.4f}" if "train/loss" in r else "-"
+        lines.append(
+            f"{r['job']:>4}  {r['status']:<9} {acc:>12} {loss:>10}  {' '.join(r['overrides'])}"
+        )
+    return "\n".join(lines)
+
+
+class SweepSummary(Callback):
+    """Records each sweep job's status and, at the end, prints the sweep's table."""
+
+    def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
+        if config.hydra.mode != RunMode.MULTIRUN or read_launch_env().rank != 0:
+            return
+        job_dir = Path(config.hydra.runtime.output_dir)
+        failed = job_return.status != JobStatus.COMPLETED
+        job = {
+            "job": int(config.hydra.job.num),
+            "overrides": list(filter_overrides(job_return.overrides or [])),
+            "status": "FAILED" if failed else "COMPLETED",
+            "error": str(job_return._return_value) if failed else None,
+        }
+        job_dir.mkdir(parents=True, exist_ok=True)
+        (job_dir / "job.json").write_text(json.dumps(job, indent=2))
+        write_summary(Path(config.hydra.sweep.dir))
+        if failed:
+            log.error("sweep job #%d failed: %s", job["job"], job["error"])
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        if read_launch_env().rank != 0:
+            return
+        sweep_dir = Path(config.hydra.sweep.dir)
+        rows = write_summary(sweep_dir)
+        print(f"sweep summary ({sweep_dir / 'summary.csv'}):\n{format_summary(rows)}", flush=True)
+
+
+def register_sweep_configs() -> None:
+    if not OmegaConf.has_resolver("ddp_sweep_dir"):
+        OmegaConf.register_new_resolver("ddp_sweep_dir", sweep_dir_name)
