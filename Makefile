@@ -7,7 +7,7 @@ NPROC  ?= 2
 ARGS   ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install train test lint format clean
+.PHONY: help install train test lint format clean bench bench-gpu
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -24,6 +24,12 @@ train: $(STAMP)  ## train on the embedded digits with NPROC (default 2) processe
 
 test: $(STAMP)  ## run the whole test suite
 	$(BIN)/python -m pytest $(ARGS)
+
+bench: $(STAMP)  ## speed: tutorial loop vs train.py vs raw bound on the CPU (a few minutes)
+	$(BIN)/python bench/bench.py --device cpu
+
+bench-gpu: $(STAMP)  ## the same on a CUDA GPU, plus bf16 and torch.compile
+	$(BIN)/python bench/bench.py --device cuda
 
 lint: $(STAMP)  ## ruff check and format check
 	$(BIN)/ruff check .

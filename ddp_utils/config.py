@@ -22,6 +22,7 @@ PRECISIONS = ("32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "nccl", "gloo")
 SPLITS = ("train", "val")
+LOADERS = ("auto", "tensor", "torch")
 
 
 class ConfigError(ValueError):
@@ -49,7 +50,8 @@ class DataConfig:
     root: str = "data"
     download: bool = False
     batch_size: int = 100  # per process
-    num_workers: int = 0
+    num_workers: int = 0  # data.loader=torch only
+    loader: str = "auto"  # auto | tensor (batches indexed on the device) | torch (DataLoader)
     split: str = "val"  # which split eval.py scores
     # What the model is sized for; each data config declares its own.
     in_channels: int = 1
@@ -98,6 +100,10 @@ class TrainerConfig:
     backend: str = "auto"
     timeout_s: float = 300.0  # process-group init and collective timeout
     log_every_steps: int = 50
+    channels_last: bool = True  # NHWC activations: faster convolutions on CPU and GPU
+    bucket_cap_mb: float = 25.0  # DDP gradient bucket size
+    gradient_as_bucket_view: bool = True  # gradients alias DDP's buckets: one copy less
+    static_graph: bool = False  # DDP: the graph is the same every step
     ckpt_every_steps: int | None = None  # step checkpoints; null = only at epoch ends
     keep_last: int = 2  # newest step checkpoints kept (best.pt and last.pt besides)
 
@@ -156,6 +162,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _choice("model.name", m.name, MODELS)
     _choice("data.name", d.name, DATASETS)
     _choice("data.split", d.split, SPLITS)
+    _choice("data.loader", d.loader, LOADERS)
     _choice("optim.name", o.name, OPTIMIZERS)
     _choice("sched.name", s.name, SCHEDULERS)
     _choice("trainer.precision", t.precision, PRECISIONS)
@@ -178,6 +185,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         ("trainer.log_every_steps", t.log_every_steps),
         ("trainer.ckpt_every_steps", t.ckpt_every_steps),
         ("trainer.keep_last", t.keep_last),
+        ("trainer.bucket_cap_mb", t.bucket_cap_mb),
         ("sched.step_epochs", s.step_epochs),
     ):
         _positive(key, value)

@@ -7,12 +7,21 @@ tensor plus int64 labels. Batches stay uint8 until they reach the device, where
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
+import math
+import os
+import stat
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 
+from ddp_utils.checkpoint import atomic_save
 from ddp_utils.config import ConfigError, DataConfig
 from ddp_utils.dist import Runtime, local_main_first
 from ddp_utils.samplers import EvalShardSampler, ResumableDistributedSampler
@@ -38,8 +47,8 @@ class ImageTensorDataset(Dataset):
 
 @dataclass
 class DataBundle:
-    train: DataLoader
-    val: DataLoader
+    train: TensorLoader | DataLoader
+    val: TensorLoader | DataLoader
     preprocess_train: nn.Module
     preprocess_eval: nn.Module
 
@@ -66,7 +75,32 @@ def _synthetic(cfg: DataConfig, split: str) -> tuple[torch.Tensor, torch.Tensor]
     return images, labels
 
 
-def _torchvision(cfg: DataConfig, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _source_dir(cfg: DataConfig) -> Path:
+    if cfg.name == "cifar10":
+        return Path(cfg.root) / "cifar-10-batches-py"
+    return Path(cfg.root) / TORCHVISION_SETS[cfg.name] / "raw"
+
+
+def _fingerprint(folder: Path) -> str:
+    """Names, sizes and modification times of the source files: a change rebuilds the cache."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    stats = [(str(p.relative_to(folder)), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    return hashlib.sha1(json.dumps(stats).encode()).hexdigest()
+
+
+def cache_path(cfg: DataConfig, split: str) -> Path:
+    """``data.root/.ddp_recipes_cache``, or a per-user cache when data.root is read-only."""
+    name = f"{cfg.name}-{split}.pt"
+    root = Path(cfg.root)
+    # The write bits, not only access(): root may write anywhere, but a folder shipped
+    # read-only (shared data) should stay as it is.
+    if os.access(root, os.W_OK) and root.stat().st_mode & stat.S_IWUSR:
+        return root / ".ddp_recipes_cache" / name
+    digest = hashlib.sha1(str(Path(cfg.root).resolve()).encode()).hexdigest()[:12]
+    return Path.home() / ".cache" / "ddp-recipes" / digest / name
+
+
+def _decode_torchvision(cfg: DataConfig, split: str) -> tuple[torch.Tensor, torch.Tensor]:
     import torchvision
 
     cls = getattr(torchvision.datasets, TORCHVISION_SETS[cfg.name])
@@ -85,6 +119,25 @@ def _torchvision(cfg: DataConfig, split: str) -> tuple[torch.Tensor, torch.Tenso
     images = torch.as_tensor(ds.data)
     images = images.unsqueeze(1) if images.ndim == 3 else images.permute(0, 3, 1, 2)
     return images.contiguous(), torch.as_tensor(ds.targets).long()
+
+
+def _torchvision(cfg: DataConfig, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode once into uint8 tensors, cached on disk and reused while the source is unchanged."""
+    source = _source_dir(cfg)
+    if not source.is_dir():
+        return _decode_torchvision(cfg, split)  # downloads, or says how to get the data
+    key, cache = _fingerprint(source), cache_path(cfg, split)
+    if cache.is_file():
+        try:
+            cached = torch.load(cache, weights_only=True)
+            if cached["key"] == key:
+                return cached["images"], cached["labels"]
+        except Exception:  # a torn or foreign cache file is rebuilt below
+            pass
+    images, labels = _decode_torchvision(cfg, split)
+    with contextlib.suppress(OSError):  # nowhere writable: decode again next time
+        atomic_save({"key": key, "images": images, "labels": labels}, cache)
+    return images, labels
 
 
 def load_split(cfg: DataConfig, split: str) -> ImageTensorDataset:
@@ -144,30 +197,63 @@ def random_crop_flip(x: torch.Tensor, padding: int) -> torch.Tensor:
     return torch.where(flip[:, None, None, None], out.flip(3), out)
 
 
-def make_eval_loader(ds: Dataset, cfg: DataConfig, rt: Runtime) -> DataLoader:
+class TensorLoader:
+    """Batches by indexing tensors that live on the training device: no workers, no collation.
+
+    It takes the same sampler as a DataLoader would (so each rank gets the same indices in
+    the same order) and turns the epoch's index list into one device tensor; each batch is
+    then a gather on the device. Padding markers (negative indices) get the ignored label.
+    """
+
+    def __init__(self, ds: ImageTensorDataset, sampler: Sampler, batch_size: int, device) -> None:
+        self.dataset, self.sampler, self.batch_size = ds, sampler, batch_size
+        self.images = ds.images.to(device)
+        self.labels = ds.labels.to(device)
+
+    def __len__(self) -> int:
+        return math.ceil(len(self.sampler) / self.batch_size)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        order = torch.tensor(list(self.sampler), dtype=torch.long)
+        real = (order >= 0).to(self.images.device, non_blocking=True)
+        index = torch.where(order >= 0, order, ~order).to(self.images.device, non_blocking=True)
+        for start in range(0, len(order), self.batch_size):
+            idx = index[start : start + self.batch_size]
+            labels = torch.where(
+                real[start : start + self.batch_size], self.labels[idx], IGNORE_LABEL
+            )
+            yield self.images[idx], labels
+
+
+def make_loader(
+    ds: ImageTensorDataset, sampler: Sampler, cfg: DataConfig, rt: Runtime
+) -> TensorLoader | DataLoader:
+    """``data.loader``: ``tensor`` (``auto`` here: every set of this project fits in memory)
+    or ``torch``, the standard DataLoader with workers, pinned memory and prefetching."""
+    if cfg.loader in ("auto", "tensor"):
+        return TensorLoader(ds, sampler, cfg.batch_size, rt.device)
+    workers = cfg.num_workers
     return DataLoader(
         ds,
         batch_size=cfg.batch_size,
-        sampler=EvalShardSampler(len(ds), rt.world_size, rt.rank),
-        num_workers=cfg.num_workers,
+        sampler=sampler,
+        num_workers=workers,
         pin_memory=rt.device.type == "cuda",
+        persistent_workers=workers > 0,
+        prefetch_factor=4 if workers > 0 else None,
     )
+
+
+def make_eval_loader(ds: ImageTensorDataset, cfg: DataConfig, rt: Runtime):
+    return make_loader(ds, EvalShardSampler(len(ds), rt.world_size, rt.rank), cfg, rt)
 
 
 def build_data(cfg: DataConfig, rt: Runtime, seed: int, channels_last: bool = False) -> DataBundle:
     with local_main_first(rt):
         train_ds, val_ds = load_split(cfg, "train"), load_split(cfg, "val")
     sampler = ResumableDistributedSampler(len(train_ds), rt.world_size, rt.rank, seed=seed)
-    train = DataLoader(
-        train_ds,
-        batch_size=cfg.batch_size,
-        sampler=sampler,
-        num_workers=cfg.num_workers,
-        pin_memory=rt.device.type == "cuda",
-        persistent_workers=cfg.num_workers > 0,
-    )
     return DataBundle(
-        train=train,
+        train=make_loader(train_ds, sampler, cfg, rt),
         val=make_eval_loader(val_ds, cfg, rt),
         preprocess_train=Preprocess(cfg, train=True, channels_last=channels_last).to(rt.device),
         preprocess_eval=Preprocess(cfg, train=False, channels_last=channels_last).to(rt.device),

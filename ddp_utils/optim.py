@@ -13,6 +13,9 @@ from ddp_utils.config import OptimConfig, SchedConfig
 
 def build_optimizer(cfg: OptimConfig, model: nn.Module) -> torch.optim.Optimizer:
     params = [p for p in model.parameters() if p.requires_grad]
+    # Fused kernels on CUDA (one launch for all parameters), multi-tensor foreach elsewhere.
+    on_cuda = bool(params) and params[0].is_cuda
+    impl = {"fused": True} if on_cuda else {"foreach": True}
     if cfg.name == "sgd":
         return torch.optim.SGD(
             params,
@@ -20,11 +23,11 @@ def build_optimizer(cfg: OptimConfig, model: nn.Module) -> torch.optim.Optimizer
             momentum=cfg.momentum,
             nesterov=cfg.nesterov,
             weight_decay=cfg.weight_decay,
-            foreach=True,
+            **impl,
         )
     if cfg.name == "adamw":
         return torch.optim.AdamW(
-            params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay, foreach=True
+            params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay, **impl
         )
     raise AssertionError(f"unvalidated optimizer {cfg.name}")
 

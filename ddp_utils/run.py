@@ -103,3 +103,15 @@ def append_metrics(run_dir: Path, record: dict[str, Any], rt: Runtime) -> None:
             f.write(json.dumps(record) + "\n")
             f.flush()
             os.fsync(f.fileno())
+
+
+def seconds_since_process_start() -> float | None:
+    """Wall time since this process started (Linux), for the launch-to-first-step figure."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return uptime - start_ticks / os.sysconf("SC_CLK_TCK")

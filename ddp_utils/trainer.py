@@ -26,7 +26,14 @@ from ddp_utils.models import build_model
 from ddp_utils.optim import build_optimizer, build_scheduler
 from ddp_utils.preemption import PREEMPTED_EXIT, Preempted, StopRequest
 from ddp_utils.resume import resume, save, seed_everything
-from ddp_utils.run import append_metrics, log, resolve_run_dir, setup_logging, write_config
+from ddp_utils.run import (
+    append_metrics,
+    log,
+    resolve_run_dir,
+    seconds_since_process_start,
+    setup_logging,
+    write_config,
+)
 from ddp_utils.watchdog import StepWatchdog
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -54,9 +61,15 @@ def wrap_ddp(raw_model: nn.Module, cfg: TrainerConfig, rt: Runtime) -> nn.Module
     check_runtime(cfg, rt)
     if cfg.sync_bn:
         raw_model = nn.SyncBatchNorm.convert_sync_batchnorm(raw_model)
-    raw_model.to(rt.device)
-    device_ids = [rt.device.index] if rt.device.type == "cuda" else None
-    model: nn.Module = DDP(raw_model, device_ids=device_ids)
+    memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
+    raw_model.to(rt.device, memory_format=memory_format)
+    model: nn.Module = DDP(
+        raw_model,
+        device_ids=[rt.device.index] if rt.device.type == "cuda" else None,
+        bucket_cap_mb=cfg.bucket_cap_mb,
+        gradient_as_bucket_view=cfg.gradient_as_bucket_view,
+        static_graph=cfg.static_graph,
+    )
     if cfg.compile:
         model = torch.compile(model)
     return model
@@ -83,6 +96,7 @@ class Training:
     sample_offset: int = 0  # positions of this epoch's sample order already trained on
     best_accuracy: float = -1.0
     watchdog: StepWatchdog | None = None
+    first_step: int = 1  # the step number of this process's first step (after a resume too)
     recorder: SampleRecorder = field(default_factory=lambda: SampleRecorder(-1))
     # This rank's (loss sum, real samples) of the epoch so far, kept on the device.
     epoch_totals: torch.Tensor = field(default_factory=lambda: torch.zeros(2, dtype=torch.float64))
@@ -97,7 +111,7 @@ def build_training(cfg: TrainConfig, rt: Runtime, run_dir: Path) -> Training:
     model = wrap_ddp(raw_model, t, rt)
     raw_model = model.module if isinstance(model, DDP) else model._orig_mod.module
     seed_everything(cfg.seed + rt.rank)
-    data = build_data(cfg.data, rt, seed=cfg.seed)
+    data = build_data(cfg.data, rt, seed=cfg.seed, channels_last=t.channels_last)
     steps_per_epoch = math.ceil(len(data.train) / t.grad_accum_steps)
     total_steps = t.epochs * steps_per_epoch
     if t.max_steps is not None:
@@ -180,6 +194,9 @@ def train_one_epoch(tr: Training, stop: StopRequest) -> dict[str, float]:
 def after_step(tr: Training, stop: StopRequest, end_of_epoch: bool) -> None:
     """Step-boundary duties: a requested stop, step checkpoints, the log line."""
     tr.watchdog.beat()
+    if tr.step == tr.first_step:
+        log.info("first training step done %.2f s after the process started",
+                 seconds_since_process_start() or float("nan"))  # fmt: skip
     maybe_inject(tr.step, tr.rt.rank)
     if stop.poll():
         save(tr)
@@ -243,6 +260,7 @@ def fit(cfg: TrainConfig, rt: Runtime, default_run_dir: str | None = None) -> fl
     setup_logging(run_dir, rt, "train")
     tr = build_training(cfg, rt, run_dir)
     resume(tr)
+    tr.first_step = tr.step + 1
     write_config(run_dir, cfg, rt)
     t = cfg.trainer
     log.info(
