@@ -90,8 +90,9 @@ def main() -> None:
         import torch
 
         world_sizes = args.world_sizes or [1]
-        variants = ["train.py bf16=trainer.precision=bf16",
-                    "train.py bf16 compile=trainer.precision=bf16,trainer.compile=true"]  # fmt: skip
+        bf16 = "trainer.precision=bf16"
+        variants = [f"train.py bf16={bf16}",
+                    f"train.py bf16 compile={bf16},trainer.compile=true"]  # fmt: skip
         assert torch.cuda.is_available(), "make bench-gpu needs a CUDA device"
     rows = [{"world_size": w, "images_per_s": loops(w, overrides, variants)} for w in world_sizes]
     imports = statistics.median(bare_import_s() for _ in range(3))
