@@ -23,6 +23,8 @@ DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "nccl", "gloo")
 SPLITS = ("train", "val")
 LOADERS = ("auto", "tensor", "torch")
+LOGGERS = ("tensorboard", "none")
+PROGRESS = ("auto", "true", "false")
 
 
 class ConfigError(ValueError):
@@ -104,6 +106,7 @@ class TrainerConfig:
     bucket_cap_mb: float = 25.0  # DDP gradient bucket size
     gradient_as_bucket_view: bool = True  # gradients alias DDP's buckets: one copy less
     static_graph: bool = False  # DDP: the graph is the same every step
+    progress: str = "auto"  # auto (a bar when stderr is a terminal) | true | false
     ckpt_every_steps: int | None = None  # step checkpoints; null = only at epoch ends
     keep_last: int = 2  # newest step checkpoints kept (best.pt and last.pt besides)
 
@@ -118,6 +121,7 @@ class TrainConfig:
     seed: int = 0
     run_dir: str | None = None  # null = outputs/<date>_<torchrun run id>
     resume: str = "auto"  # auto | never | PATH of a checkpoint
+    logger: str = "tensorboard"  # tensorboard (run_dir/tb) | none
 
 
 @dataclass
@@ -168,6 +172,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _choice("trainer.precision", t.precision, PRECISIONS)
     _choice("trainer.device", t.device, DEVICES)
     _choice("trainer.backend", t.backend, BACKENDS)
+    _choice("logger", cfg.logger, LOGGERS)
+    t.progress = t.progress.lower()  # `trainer.progress=true` arrives as "True"
+    _choice("trainer.progress", t.progress, PROGRESS)
     for key, value in (
         ("optim.lr", o.lr),
         ("data.batch_size", d.batch_size),

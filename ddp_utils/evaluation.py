@@ -96,6 +96,9 @@ def write_report(result: dict[str, Any], output: Path, what: str, rt: Runtime) -
         return
     text = json.dumps(result, indent=2)
     atomic_write(output, lambda f: f.write(text.encode()))
+    from ddp_utils.plot import plot_confusion_matrix  # matplotlib: imported only when drawing
+
+    plot_confusion_matrix(result["confusion_matrix"], output.parent / "confusion_matrix.png")
     lines = [
         f"{result['checkpoint']} on {what}: {result['num_samples']} samples, "
         f"world size {result['world_size']}",
@@ -104,5 +107,5 @@ def write_report(result: dict[str, Any], output: Path, what: str, rt: Runtime) -
         if key in result:
             lines.append(f"  {key:<10} {result[key]:.4f}")
     per_class = "  ".join(f"{i}:{a:.3f}" for i, a in enumerate(result["per_class_accuracy"]))
-    lines += [f"  per class  {per_class}", f"  written to {output}"]
+    lines += [f"  per class  {per_class}", f"  written to {output} (and confusion_matrix.png)"]
     log.info("\n".join(lines))

@@ -25,6 +25,7 @@ from ddp_utils.metrics import evaluate
 from ddp_utils.models import build_model
 from ddp_utils.optim import build_optimizer, build_scheduler
 from ddp_utils.preemption import PREEMPTED_EXIT, Preempted, StopRequest
+from ddp_utils.progress import Progress
 from ddp_utils.resume import resume, save, seed_everything
 from ddp_utils.run import (
     append_metrics,
@@ -34,6 +35,7 @@ from ddp_utils.run import (
     setup_logging,
     write_config,
 )
+from ddp_utils.tracking import Tracker, peak_memory_mb, write_environment
 from ddp_utils.watchdog import StepWatchdog
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -97,6 +99,8 @@ class Training:
     best_accuracy: float = -1.0
     watchdog: StepWatchdog | None = None
     first_step: int = 1  # the step number of this process's first step (after a resume too)
+    progress: Progress | None = None
+    tracker: Tracker | None = None
     recorder: SampleRecorder = field(default_factory=lambda: SampleRecorder(-1))
     # This rank's (loss sum, real samples) of the epoch so far, kept on the device.
     epoch_totals: torch.Tensor = field(default_factory=lambda: torch.zeros(2, dtype=torch.float64))
@@ -159,6 +163,7 @@ def train_one_epoch(tr: Training, stop: StopRequest) -> dict[str, float]:
         tr.recorder.start_epoch(list(sampler))
     tr.model.train()
     n_batches, start = len(loader), time.perf_counter()
+    tr.progress.start_epoch(tr.epoch, tr.step, math.ceil(n_batches / accum))
     for i, (images, labels) in enumerate(loader):
         group_start = i - i % accum
         group_len = min(accum, n_batches - group_start)
@@ -186,6 +191,7 @@ def train_one_epoch(tr: Training, stop: StopRequest) -> dict[str, float]:
             if reached_max_steps(tr):
                 break
     tr.watchdog.disarm()
+    tr.progress.end_epoch()
     totals = all_reduce_sum(tr.epoch_totals.clone()).tolist()
     elapsed = time.perf_counter() - start
     return {"train/loss": totals[0] / max(totals[1], 1), "samples_per_s": totals[1] / elapsed}
@@ -206,8 +212,13 @@ def after_step(tr: Training, stop: StopRequest, end_of_epoch: bool) -> None:
     every = tr.cfg.trainer.ckpt_every_steps
     if every and tr.step % every == 0 and not end_of_epoch:
         save(tr)
-    if tr.step % tr.cfg.trainer.log_every_steps == 0:
-        log.info("epoch %d step %d lr %.4g", tr.epoch, tr.step, current_lr(tr))
+    tr.progress.update(tr.step)
+    if tr.step % tr.cfg.trainer.log_every_steps == 0 and tr.rt.is_main:
+        # This rank's running loss: one host sync per log point, none per step.
+        loss_sum, count = tr.epoch_totals.tolist()
+        loss = loss_sum / max(count, 1)
+        tr.progress.report(tr.step, loss, current_lr(tr))
+        tr.tracker.scalars({"train/loss_running": loss, "lr": current_lr(tr)}, tr.step)
 
 
 def current_lr(tr: Training) -> float:
@@ -235,6 +246,21 @@ def validate_and_save(tr: Training, train_stats: dict[str, float]) -> dict[str, 
         "val/num_samples": val["num_samples"],
     }
     append_metrics(tr.run_dir, record, tr.rt)
+    tr.tracker.scalars(
+        {
+            key: record[key]
+            for key in (
+                "train/loss",
+                "lr",
+                "samples_per_s",
+                "val/accuracy",
+                "val/loss",
+                "val/f1_macro",
+            )
+        }  # fmt: skip
+        | {"peak_memory_mb": peak_memory_mb(tr.rt.device)},
+        tr.step,
+    )
     log.info(
         "epoch %d | step %d | train/loss %.4f | val/loss %.4f | val/accuracy %.4f (%d samples) "
         "| %.0f samples/s",
@@ -262,6 +288,7 @@ def fit(cfg: TrainConfig, rt: Runtime, default_run_dir: str | None = None) -> fl
     resume(tr)
     tr.first_step = tr.step + 1
     write_config(run_dir, cfg, rt)
+    write_environment(run_dir, rt)
     t = cfg.trainer
     log.info(
         "run_dir %s | world size %d | device %s | backend %s | global batch %d "
@@ -275,6 +302,9 @@ def fit(cfg: TrainConfig, rt: Runtime, default_run_dir: str | None = None) -> fl
         log.info("nothing to train: the run already did %d epochs, %d steps", tr.epoch, tr.step)
     stop = StopRequest(timedelta(seconds=t.timeout_s))
     tr.watchdog = StepWatchdog(t.timeout_s, rt.rank)
+    tr.tracker = Tracker(cfg.logger, run_dir, rt)
+    samples_per_step = cfg.data.batch_size * rt.world_size * t.grad_accum_steps
+    tr.progress = Progress(t.progress, rt.is_main, tr.total_steps, samples_per_step)
     try:
         while tr.epoch < t.epochs and not reached_max_steps(tr):
             record = validate_and_save(tr, train_one_epoch(tr, stop))
@@ -283,6 +313,12 @@ def fit(cfg: TrainConfig, rt: Runtime, default_run_dir: str | None = None) -> fl
         raise
     else:
         stop.close()
+        if rt.is_main and (run_dir / "metrics.jsonl").exists():
+            from ddp_utils.plot import plot_runs  # matplotlib: imported only when drawing
+
+            plot_runs([run_dir], run_dir / "curves.png")
     finally:
+        tr.progress.end_epoch()
+        tr.tracker.close()
         tr.watchdog.close()
     return float(record.get("val/accuracy", float("nan")))

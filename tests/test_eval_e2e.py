@@ -37,7 +37,10 @@ def test_same_numbers_at_world_size_1_2_3_4(digits_run, tmp_path):
         proc = run_script("eval.py", f"checkpoint={ckpt}", f"output={out}", nproc=n, cwd=tmp_path)
         assert "359 samples" in proc.stdout and f"world size {n}" in proc.stdout
         results[n] = json.loads(out.read_text())
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["eval2.json", "eval3.json", "eval4.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "confusion_matrix.png", "eval2.json", "eval3.json", "eval4.json"
+    ]  # fmt: skip
+    assert (digits_run / "confusion_matrix.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     base = results[1]
     assert base.keys() >= EVAL_KEYS
     assert base["num_samples"] == 359  # none of 2, 3, 4 divides 359

@@ -1,0 +1,89 @@
+"""Pictures of runs: loss and accuracy curves, and a confusion matrix.
+
+    python -m ddp_utils.plot RUN_DIR [RUN_DIR ...] [--out curves.png]
+
+A directory without ``metrics.jsonl`` (a sweep) stands for all the runs inside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: no display needed
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def expand(paths: list[Path]) -> list[Path]:
+    runs: list[Path] = []
+    for p in paths:
+        if (p / "metrics.jsonl").is_file():
+            runs.append(p)
+        else:
+            runs += sorted(d.parent for d in p.glob("*/metrics.jsonl"))
+    return runs
+
+
+def read_records(run: Path) -> list[dict]:
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+
+
+def plot_runs(runs: list[Path], out: Path) -> Path:
+    """Loss (train and val) and val accuracy per epoch, one line per run, in one figure."""
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
+    for run in runs:
+        records = read_records(run)
+        epochs = [r["epoch"] for r in records]
+        label = run.name if len(runs) > 1 else None
+        (line,) = ax_loss.plot(epochs, [r["train/loss"] for r in records], marker="o",
+                               label=f"{label} train" if label else "train")  # fmt: skip
+        ax_loss.plot(epochs, [r["val/loss"] for r in records], marker="s", linestyle="--",
+                     color=line.get_color(), label=f"{label} val" if label else "val")  # fmt: skip
+        ax_acc.plot(epochs, [r["val/accuracy"] for r in records], marker="o",
+                    color=line.get_color(), label=label or "val")  # fmt: skip
+    ax_loss.set(xlabel="epoch", ylabel="loss", title="loss")
+    ax_acc.set(xlabel="epoch", ylabel="accuracy", title="validation accuracy")
+    for ax in (ax_loss, ax_acc):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def plot_confusion_matrix(matrix: list[list[int]], out: Path) -> Path:
+    n = len(matrix)
+    fig, ax = plt.subplots(figsize=(0.5 * n + 3, 0.5 * n + 2.5))
+    image = ax.imshow(matrix, cmap="Blues")
+    fig.colorbar(image, ax=ax)
+    peak = max(max(row) for row in matrix) or 1
+    for i, row in enumerate(matrix):
+        for j, count in enumerate(row):
+            color = "white" if count > peak / 2 else "black"
+            ax.text(j, i, str(count), ha="center", va="center", fontsize=7, color=color)
+    ax.set(xlabel="predicted", ylabel="true", xticks=range(n), yticks=range(n),
+           title="confusion matrix")  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m ddp_utils.plot", description=__doc__)
+    p.add_argument("paths", nargs="+", type=Path, help="run directories or sweep directories")
+    p.add_argument("--out", type=Path, default=None, help="default: <first path>/curves.png")
+    args = p.parse_args(argv)
+    runs = expand(args.paths)
+    if not runs:
+        p.error(f"no metrics.jsonl in or under {', '.join(map(str, args.paths))}")
+    out = plot_runs(runs, args.out or args.paths[0] / "curves.png")
+    print(f"{len(runs)} run(s) drawn into {out}")
+
+
+if __name__ == "__main__":
+    main()

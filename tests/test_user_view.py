@@ -1,0 +1,99 @@
+"""The user's view: curves, TensorBoard, progress output, and the doctor."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT, child_env, free_port, run_script
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def two_epoch_run(tmp_path_factory):
+    run = tmp_path_factory.mktemp("view") / "run"
+    proc = run_script("train.py", "trainer.epochs=2", "trainer.log_every_steps=2",
+                      f"run_dir={run}", nproc=2)  # fmt: skip
+    return run, proc
+
+
+def test_curves_png_after_two_epochs(two_epoch_run, tmp_path):
+    run, _ = two_epoch_run
+    assert (run / "curves.png").read_bytes()[:8] == PNG
+    # Several runs in one figure, from the command line.
+    out = tmp_path / "both.png"
+    subprocess.run([sys.executable, "-m", "ddp_utils.plot", str(run), str(run), "--out", str(out)],
+                   check=True, cwd=ROOT, env=child_env())  # fmt: skip
+    assert out.read_bytes()[:8] == PNG
+
+
+def test_tensorboard_holds_the_scalars(two_epoch_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run, _ = two_epoch_run
+    events = EventAccumulator(str(run / "tb"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"train/loss", "lr", "val/accuracy", "samples_per_s", "peak_memory_mb"} <= tags
+    assert [e.step for e in events.Scalars("val/accuracy")] == [8, 16]
+
+
+def test_environment_is_recorded(two_epoch_run):
+    import json
+
+    run, _ = two_epoch_run
+    env = json.loads((run / "env.json").read_text())
+    assert env["world_size"] == 2 and env["torch"] and "git_commit" in env
+
+
+def test_output_to_a_file_has_no_bar_fragments(two_epoch_run):
+    _, proc = two_epoch_run
+    out = proc.stdout + proc.stderr
+    assert "\r" not in out and "it/s" not in out and "%|" not in out
+    assert "epoch 0 | step 2/16 | loss" in proc.stdout  # a plain line every log_every_steps
+
+
+def test_only_the_main_rank_draws_a_bar(tmp_path):
+    proc = run_script("train.py", "trainer.epochs=1", "trainer.progress=true",
+                      "trainer.log_every_steps=2", f"run_dir={tmp_path}", nproc=2)  # fmt: skip
+    # Each bar starts with one render at 0%: one bar, not one per rank.
+    assert proc.stderr.count("epoch 0:   0%|") == 1, proc.stderr
+    assert "loss=" in proc.stderr and "img_s=" in proc.stderr and "100%|" in proc.stderr
+    assert "epoch 0 | step 2/8 | loss" not in proc.stdout  # the bar replaces the plain lines
+
+
+def test_doctor_passes_with_two_cpu_processes():
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         "-m", "ddp_utils.doctor", "--device", "cpu"],
+        cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for check in ("all_reduce", "broadcast", "all_gather"):
+        assert f"ok    {check} correct on all 2 ranks" in proc.stdout
+    assert "rank 1:" in proc.stdout and "bus bandwidth" in proc.stdout
+
+
+def doctor(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ddp_utils.doctor", *args], cwd=ROOT,
+                          env=child_env(), capture_output=True, text=True, timeout=60)  # fmt: skip
+
+
+def test_doctor_diagnoses_an_unreachable_endpoint():
+    port = free_port()  # nothing listens there
+    proc = doctor("--rdzv-endpoint", f"127.0.0.1:{port}")
+    assert proc.returncode == 1
+    assert "refused the connection" in proc.stdout and "fix: start the head node" in proc.stdout
+
+
+def test_doctor_diagnoses_a_port_in_use():
+    with socket.socket() as s:
+        s.bind(("0.0.0.0", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        proc = doctor("--port", str(port))
+    assert proc.returncode == 1
+    assert f"port {port} is already in use" in proc.stdout and "fix:" in proc.stdout
