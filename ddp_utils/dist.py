@@ -194,15 +194,6 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-@contextlib.contextmanager
-def distributed(cfg: TrainerConfig) -> Iterator[Runtime]:
-    """Join the process group for the body; leave it on every exit path."""
-    try:
-        yield init_distributed(cfg)
-    finally:
-        shutdown()
-
-
 def barrier() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
