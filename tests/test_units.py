@@ -12,6 +12,7 @@ from torch.utils.data import DistributedSampler
 from ddp_utils.config import ConfigError, DataConfig, ModelConfig, SchedConfig, TrainerConfig
 from ddp_utils.data import Preprocess, load_split, random_crop_flip
 from ddp_utils.dist import (
+    Runtime,
     first_host,
     init_distributed,
     pick_backend,
@@ -210,3 +211,18 @@ def test_torchrun_variables_win_over_slurm_and_master_can_be_set():
 )
 def test_first_host_of_a_slurm_node_list(nodelist, first):
     assert first_host(nodelist) == first
+
+
+def test_a_rank_that_cannot_see_run_dir_says_so(tmp_path):
+    from ddp_utils.run import resolve_run_dir
+
+    rt = Runtime(rank=3, local_rank=1, world_size=4, local_world_size=2,
+                 device=torch.device("cpu"), backend="gloo")  # fmt: skip
+    missing = tmp_path / "on_another_node"
+    with (
+        mock.patch("ddp_utils.run.broadcast_object", return_value=str(missing)),
+        mock.patch("ddp_utils.run.barrier"),
+        pytest.raises(ConfigError, match="shared") as e,
+    ):
+        resolve_run_dir(None, rt)
+    assert e.value.rank_specific and "rank 3" in str(e.value)
