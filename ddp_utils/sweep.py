@@ -116,6 +116,13 @@ class SweepSummary(Callback):
         print(f"sweep summary ({sweep_dir / 'summary.csv'}):\n{format_summary(rows)}", flush=True)
 
 
+def rank_zero_level() -> str:
+    """Log level for Hydra's own messages: INFO on global rank 0, warnings only elsewhere."""
+    return "INFO" if read_launch_env().rank == 0 else "WARNING"
+
+
 def register_sweep_configs() -> None:
     if not OmegaConf.has_resolver("ddp_sweep_dir"):
         OmegaConf.register_new_resolver("ddp_sweep_dir", sweep_dir_name)
+    if not OmegaConf.has_resolver("ddp_rank_zero_level"):
+        OmegaConf.register_new_resolver("ddp_rank_zero_level", rank_zero_level)

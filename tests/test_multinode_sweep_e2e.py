@@ -142,6 +142,7 @@ def test_sweep_under_torchrun_runs_each_job_on_all_ranks(tmp_path):
         "0", "1", "multirun.yaml", "summary.csv", "summary.json"
     ]  # fmt: skip
     assert "sweep summary" in proc.stdout
+    assert proc.stdout.count("Launching 2 jobs") == 1  # Hydra's messages from rank 0 only
 
 
 def test_a_failing_sweep_job_is_reported_and_the_ranks_stay_in_step(tmp_path):
