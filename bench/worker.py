@@ -12,7 +12,6 @@ import statistics
 import sys
 import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -31,9 +30,7 @@ from ddp_utils.config import register_configs, to_schema  # noqa: E402
 from ddp_utils.data import load_split  # noqa: E402
 from ddp_utils.dist import init_distributed  # noqa: E402
 from ddp_utils.models import ConvNet  # noqa: E402
-from ddp_utils.preemption import StopRequest  # noqa: E402
 from ddp_utils.trainer import build_training, train_one_epoch  # noqa: E402
-from ddp_utils.watchdog import StepWatchdog  # noqa: E402
 
 
 class PILDigits(Dataset):
@@ -100,14 +97,13 @@ def tutorial_loop(cfg, rt, ds):
     return run
 
 
-def train_py_loop(cfg, rt, run_dir):
+def train_py_loop(cfg, rt, run_dir, opened: list):
     """train.py's own epoch loop with its defaults."""
     tr = build_training(cfg, rt, run_dir)
-    tr.watchdog = StepWatchdog(cfg.trainer.timeout_s, rt.rank)
-    stop = StopRequest(timedelta(seconds=cfg.trainer.timeout_s))
+    opened.append(tr)
 
     def run():
-        train_one_epoch(tr, stop)
+        train_one_epoch(tr)
         tr.epoch, tr.sample_offset = tr.epoch + 1, 0
 
     return run
@@ -153,19 +149,22 @@ def main() -> None:
         "tutorial": tutorial_loop(cfg, rt, ds),
         "raw bound": raw_loop(cfg, rt, ds),
     }
+    opened: list = []  # train.py's runs, closed at the end
     with tempfile.TemporaryDirectory() as tmp:
-        loops["train.py"] = train_py_loop(cfg, rt, Path(tmp) / "main")
+        loops["train.py"] = train_py_loop(cfg, rt, Path(tmp) / "main", opened)
         for variant in args.variants:
             name, _, extra = variant.partition("=")
             with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
                 vcfg = to_schema(compose("train", overrides=args.overrides + extra.split(",")))
-            loops[name] = train_py_loop(vcfg, rt, Path(tmp) / name)
+            loops[name] = train_py_loop(vcfg, rt, Path(tmp) / name, opened)
         for run in loops.values():
             run()  # warm-up: allocator, autotuning, compilation
         times: dict[str, list[float]] = {name: [] for name in loops}
         for _ in range(args.repeats):
             for name, run in loops.items():
                 times[name].append(timed(run, rt))
+        for tr in opened:
+            tr.close()
     if rt.is_main:
         n = len(ds)
         result = {name: n / statistics.median(t) for name, t in times.items()}

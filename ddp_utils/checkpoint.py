@@ -72,18 +72,18 @@ def save_training_checkpoint(
     return path
 
 
-def newest_loadable(ckpt_dir: Path, warn: Callable[[str], None]) -> Path | None:
-    """The newest checkpoint in ``ckpt_dir`` that loads; torn ones are skipped with a warning.
-
-    An unsafe file is not skipped: it raises, since someone put it there.
-    """
+def newest_loadable(
+    ckpt_dir: Path, warn: Callable[[str], None]
+) -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint in ``ckpt_dir`` that loads, with its contents; torn ones are
+    skipped with a warning. An unsafe file is not skipped: it raises, since someone put it
+    there."""
     candidates = list(reversed(step_checkpoints(ckpt_dir)))
     if not candidates and (ckpt_dir / "last.pt").is_file():
         candidates = [ckpt_dir / "last.pt"]
     for path in candidates:
         try:
-            load_checkpoint(path)
-            return path
+            return path, load_checkpoint(path)
         except CorruptCheckpointError as e:
             warn(f"skipping a checkpoint that does not load: {e}")
     return None

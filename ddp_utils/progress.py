@@ -23,7 +23,7 @@ class Progress:
 
     def __init__(self, mode: str, is_main: bool, total_steps: int, samples_per_step: int):
         show_bar = mode == "true" or (mode == "auto" and sys.stderr.isatty())
-        self.is_main, self.bar_enabled = is_main, is_main and show_bar
+        self.bar_enabled = is_main and show_bar
         self.total_steps, self.samples_per_step = total_steps, samples_per_step
         self.bar: tqdm | None = None
         self.start, self.start_step = time.perf_counter(), 0
@@ -45,8 +45,7 @@ class Progress:
             self.bar.update(1)
 
     def report(self, step: int, loss: float, lr: float) -> None:
-        if not self.is_main:
-            return
+        """Main rank only (the caller reads the loss there alone)."""
         images_s, left = self.rate(step)
         eta = str(datetime.timedelta(seconds=round(left)))
         if self.bar is not None:

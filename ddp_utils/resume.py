@@ -120,34 +120,38 @@ def config_changes(stored: dict[str, Any], cfg: TrainConfig) -> tuple[list[str],
     return refused, allowed
 
 
-def pick_checkpoint(resume_from: str, run_dir: Path) -> tuple[Path | None, str | None]:
-    """(checkpoint to resume from, or None; error message, or None) for the main rank."""
+def pick_checkpoint(resume_from: str, run_dir: Path) -> tuple[Path, dict[str, Any]] | None:
+    """The checkpoint ``resume`` names, loaded, or None to start fresh (main rank)."""
     ckpt_dir = run_dir / "checkpoints"
-    try:
-        if resume_from == "never":
-            if step_checkpoints(ckpt_dir) or (ckpt_dir / "last.pt").exists():
-                return None, (
-                    f"resume=never but run_dir={run_dir} already holds checkpoints. Continue "
-                    "it with resume=auto, or start fresh with another run_dir=PATH."
-                )
-            return None, None
-        if resume_from == "auto":
-            return newest_loadable(ckpt_dir, log.warning), None
-        load_checkpoint(resume_from)
-        return Path(resume_from), None
-    except ConfigError as e:
-        return None, str(e)
+    if resume_from == "never":
+        if step_checkpoints(ckpt_dir) or (ckpt_dir / "last.pt").exists():
+            raise ConfigError(
+                f"resume=never but run_dir={run_dir} already holds checkpoints. Continue it "
+                "with resume=auto, or start fresh with another run_dir=PATH."
+            )
+        return None
+    if resume_from == "auto":
+        return newest_loadable(ckpt_dir, log.warning)
+    return Path(resume_from), load_checkpoint(resume_from)
 
 
 def resume(tr: Training) -> None:
-    """Restore ``tr`` from the checkpoint that ``resume`` names, if any (same on every rank)."""
-    choice = pick_checkpoint(tr.cfg.resume, tr.run_dir) if tr.rt.is_main else None
-    path, error = broadcast_object(choice)
+    """Restore ``tr`` from the checkpoint that ``resume`` names, if any (same on every rank).
+
+    The main rank chooses (and loads) it; the others learn the path, or the error, from it.
+    """
+    picked, error = None, None
+    if tr.rt.is_main:
+        try:
+            picked = pick_checkpoint(tr.cfg.resume, tr.run_dir)
+        except ConfigError as e:
+            error = str(e)
+    path, error = broadcast_object((picked[0] if picked else None, error))
     if error:
         raise ConfigError(error)
     if path is None:
         return
-    ckpt = load_checkpoint(path)
+    ckpt = picked[1] if picked else load_checkpoint(path)
     refused, allowed = config_changes(ckpt["config"], tr.cfg)
     if refused:
         raise ConfigError(

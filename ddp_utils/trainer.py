@@ -7,7 +7,7 @@ import math
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,8 @@ from ddp_utils.tracking import Tracker, peak_memory_mb, write_environment
 from ddp_utils.watchdog import StepWatchdog
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# The per-epoch values of metrics.jsonl that also go to TensorBoard.
+TRACKED = ("train/loss", "lr", "samples_per_s", "val/accuracy", "val/loss", "val/f1_macro")
 
 
 def amp_context(precision: str, device: torch.device) -> Callable[[], AbstractContextManager]:
@@ -60,7 +62,6 @@ def check_runtime(cfg: TrainerConfig, rt: Runtime) -> None:
 
 def wrap_ddp(raw_model: nn.Module, cfg: TrainerConfig, rt: Runtime) -> nn.Module:
     """SyncBatchNorm if asked, DDP, and optionally torch.compile; returns the training module."""
-    check_runtime(cfg, rt)
     if cfg.sync_bn:
         raw_model = nn.SyncBatchNorm.convert_sync_batchnorm(raw_model)
     memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
@@ -91,22 +92,31 @@ class Training:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: torch.amp.GradScaler
     amp: Callable[[], AbstractContextManager]
-    steps_per_epoch: int
     total_steps: int
+    stop: StopRequest
+    watchdog: StepWatchdog
+    progress: Progress
+    tracker: Tracker
+    recorder: SampleRecorder
+    # This rank's (loss sum, real samples) of the epoch so far, kept on the device.
+    epoch_totals: torch.Tensor
     epoch: int = 0  # epochs completed; the one in progress
     step: int = 0  # optimizer steps taken
     sample_offset: int = 0  # positions of this epoch's sample order already trained on
     best_accuracy: float = -1.0
-    watchdog: StepWatchdog | None = None
     first_step: int = 1  # the step number of this process's first step (after a resume too)
-    progress: Progress | None = None
-    tracker: Tracker | None = None
-    recorder: SampleRecorder = field(default_factory=lambda: SampleRecorder(-1))
-    # This rank's (loss sum, real samples) of the epoch so far, kept on the device.
-    epoch_totals: torch.Tensor = field(default_factory=lambda: torch.zeros(2, dtype=torch.float64))
+
+    def close(self, drain: bool = True) -> None:
+        """Stop the helpers: signal handlers, watchdog, progress bar, TensorBoard writer."""
+        self.stop.close(drain)
+        self.watchdog.close()
+        self.progress.end_epoch()
+        self.tracker.close()
 
 
 def build_training(cfg: TrainConfig, rt: Runtime, run_dir: Path) -> Training:
+    """Every rank: the model, data, optimizer and the helpers of one run (the stop request
+    creates a process group, so all ranks must call this)."""
     t = cfg.trainer
     # The same seed on every rank for the weights (DDP also broadcasts rank 0's), then a
     # per-rank seed so augmentation and dropout differ between ranks.
@@ -132,11 +142,18 @@ def build_training(cfg: TrainConfig, rt: Runtime, run_dir: Path) -> Training:
         scheduler=build_scheduler(cfg.sched, optimizer, cfg.optim.lr, total_steps, steps_per_epoch),
         scaler=torch.amp.GradScaler(rt.device.type, enabled=t.precision == "fp16"),
         amp=amp_context(t.precision, rt.device),
-        steps_per_epoch=steps_per_epoch,
         total_steps=total_steps,
-        epoch_totals=torch.zeros(2, dtype=torch.float64, device=rt.device),
+        stop=StopRequest(timedelta(seconds=t.timeout_s)),
+        watchdog=StepWatchdog(t.timeout_s, rt.rank),
+        progress=Progress(t.progress, rt.is_main, total_steps, global_batch(cfg, rt)),
+        tracker=Tracker(cfg.logger, run_dir, rt),
         recorder=SampleRecorder(rt.rank),
+        epoch_totals=torch.zeros(2, dtype=torch.float64, device=rt.device),
     )
+
+
+def global_batch(cfg: TrainConfig, rt: Runtime) -> int:
+    return cfg.data.batch_size * rt.world_size * cfg.trainer.grad_accum_steps
 
 
 def optimizer_step(tr: Training) -> None:
@@ -150,7 +167,7 @@ def optimizer_step(tr: Training) -> None:
     tr.step += 1
 
 
-def train_one_epoch(tr: Training, stop: StopRequest) -> dict[str, float]:
+def train_one_epoch(tr: Training) -> dict[str, float]:
     """Train the rest of the current epoch on this rank's shard (all of it unless resumed).
 
     Returns the epoch's loss averaged over every rank's samples. Raises ``Preempted`` after
@@ -187,7 +204,7 @@ def train_one_epoch(tr: Training, stop: StopRequest) -> dict[str, float]:
             optimizer_step(tr)
             tr.recorder.flush(tr.epoch, tr.step)
             tr.sample_offset = sampler.consumed(i + 1, tr.cfg.data.batch_size)
-            after_step(tr, stop, end_of_epoch=i + 1 == n_batches)
+            after_step(tr, end_of_epoch=i + 1 == n_batches)
             if reached_max_steps(tr):
                 break
     tr.watchdog.disarm()
@@ -197,16 +214,16 @@ def train_one_epoch(tr: Training, stop: StopRequest) -> dict[str, float]:
     return {"train/loss": totals[0] / max(totals[1], 1), "samples_per_s": totals[1] / elapsed}
 
 
-def after_step(tr: Training, stop: StopRequest, end_of_epoch: bool) -> None:
+def after_step(tr: Training, end_of_epoch: bool) -> None:
     """Step-boundary duties: a requested stop, step checkpoints, the log line."""
     tr.watchdog.beat()
     if tr.step == tr.first_step:
         log.info("first training step done %.2f s after the process started",
                  seconds_since_process_start() or float("nan"))  # fmt: skip
     maybe_inject(tr.step, tr.rt.rank)
-    if stop.poll():
+    if tr.stop.poll():
         save(tr)
-        stopped = Preempted(tr.step, stop.signum)
+        stopped = Preempted(tr.step, tr.stop.signum)
         log.warning("%s: checkpoint written, exiting with code %d", stopped, PREEMPTED_EXIT)
         raise stopped
     every = tr.cfg.trainer.ckpt_every_steps
@@ -216,9 +233,9 @@ def after_step(tr: Training, stop: StopRequest, end_of_epoch: bool) -> None:
     if tr.step % tr.cfg.trainer.log_every_steps == 0 and tr.rt.is_main:
         # This rank's running loss: one host sync per log point, none per step.
         loss_sum, count = tr.epoch_totals.tolist()
-        loss = loss_sum / max(count, 1)
-        tr.progress.report(tr.step, loss, current_lr(tr))
-        tr.tracker.scalars({"train/loss_running": loss, "lr": current_lr(tr)}, tr.step)
+        loss, lr = loss_sum / max(count, 1), current_lr(tr)
+        tr.progress.report(tr.step, loss, lr)
+        tr.tracker.scalars({"train/loss_running": loss, "lr": lr}, tr.step)
 
 
 def current_lr(tr: Training) -> float:
@@ -246,21 +263,8 @@ def validate_and_save(tr: Training, train_stats: dict[str, float]) -> dict[str, 
         "val/num_samples": val["num_samples"],
     }
     append_metrics(tr.run_dir, record, tr.rt)
-    tr.tracker.scalars(
-        {
-            key: record[key]
-            for key in (
-                "train/loss",
-                "lr",
-                "samples_per_s",
-                "val/accuracy",
-                "val/loss",
-                "val/f1_macro",
-            )
-        }  # fmt: skip
-        | {"peak_memory_mb": peak_memory_mb(tr.rt.device)},
-        tr.step,
-    )
+    scalars = {key: record[key] for key in TRACKED if key in record}
+    tr.tracker.scalars(scalars | {"peak_memory_mb": peak_memory_mb(tr.rt.device)}, tr.step)
     log.info(
         "epoch %d | step %d | train/loss %.4f | val/loss %.4f | val/accuracy %.4f (%d samples) "
         "| %.0f samples/s",
@@ -285,40 +289,35 @@ def fit(cfg: TrainConfig, rt: Runtime, default_run_dir: str | None = None) -> fl
     run_dir = resolve_run_dir(cfg.run_dir or default_run_dir, rt)
     setup_logging(run_dir, rt, "train")
     tr = build_training(cfg, rt, run_dir)
+    try:
+        record = train_epochs(tr)
+    except BaseException:
+        tr.close(drain=False)  # a rank may be gone: do not wait on it again
+        raise
+    tr.close()
+    if rt.is_main and (run_dir / "metrics.jsonl").exists():
+        from ddp_utils.plot import plot_runs  # matplotlib: imported only when drawing
+
+        plot_runs([run_dir], run_dir / "curves.png")
+    return float(record.get("val/accuracy", float("nan")))
+
+
+def train_epochs(tr: Training) -> dict[str, Any]:
+    """Resume if there is a checkpoint, then train the remaining epochs; the last record."""
+    cfg, rt, t = tr.cfg, tr.rt, tr.cfg.trainer
     resume(tr)
     tr.first_step = tr.step + 1
-    write_config(run_dir, cfg, rt)
-    write_environment(run_dir, rt)
-    t = cfg.trainer
+    write_config(tr.run_dir, cfg, rt)
+    write_environment(tr.run_dir, rt)
     log.info(
         "run_dir %s | world size %d | device %s | backend %s | global batch %d "
         "(%d per process x %d processes x %d accumulation steps) | %d steps",
-        run_dir, rt.world_size, rt.device, rt.backend,
-        cfg.data.batch_size * rt.world_size * t.grad_accum_steps,
+        tr.run_dir, rt.world_size, rt.device, rt.backend, global_batch(cfg, rt),
         cfg.data.batch_size, rt.world_size, t.grad_accum_steps, tr.total_steps,
     )  # fmt: skip
-    record: dict[str, Any] = {}
     if tr.epoch >= t.epochs or reached_max_steps(tr):
         log.info("nothing to train: the run already did %d epochs, %d steps", tr.epoch, tr.step)
-    stop = StopRequest(timedelta(seconds=t.timeout_s))
-    tr.watchdog = StepWatchdog(t.timeout_s, rt.rank)
-    tr.tracker = Tracker(cfg.logger, run_dir, rt)
-    samples_per_step = cfg.data.batch_size * rt.world_size * t.grad_accum_steps
-    tr.progress = Progress(t.progress, rt.is_main, tr.total_steps, samples_per_step)
-    try:
-        while tr.epoch < t.epochs and not reached_max_steps(tr):
-            record = validate_and_save(tr, train_one_epoch(tr, stop))
-    except BaseException:
-        stop.close(drain=False)
-        raise
-    else:
-        stop.close()
-        if rt.is_main and (run_dir / "metrics.jsonl").exists():
-            from ddp_utils.plot import plot_runs  # matplotlib: imported only when drawing
-
-            plot_runs([run_dir], run_dir / "curves.png")
-    finally:
-        tr.progress.end_epoch()
-        tr.tracker.close()
-        tr.watchdog.close()
-    return float(record.get("val/accuracy", float("nan")))
+    record: dict[str, Any] = {}
+    while tr.epoch < t.epochs and not reached_max_steps(tr):
+        record = validate_and_save(tr, train_one_epoch(tr))
+    return record
