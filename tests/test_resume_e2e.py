@@ -41,8 +41,11 @@ def test_sigkill_mid_epoch_then_elastic_restart_matches_uninterrupted(reference,
         "train.py", *RUN, f"run_dir={tmp_path}", nproc=2, launcher=("--max-restarts=1",),
         env={"DDP_RECIPES_FAULT": "kill:97:1"},  # epoch 1, step 25 of 72; newest ckpt: 90
     )  # fmt: skip
-    assert "exitcode: -9" in proc.stderr or "-9" in proc.stderr  # the worker really died
+    # The worker really died and torchrun restarted the group: two starts, the second resumed.
+    # (Which exit code torchrun reports first, the killed rank's -9 or its peer's, is a race.)
+    assert "failed (exitcode:" in proc.stderr
     log = (tmp_path / "train.log").read_text()
+    assert log.count("| world size 2 |") == 2
     assert "resumed from" in log and "step 90" in log
     assert_same_params(params(tmp_path), params(reference))
     assert [r["step"] for r in read_metrics(tmp_path)] == [72, 144]
