@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 MODELS = ("convnet", "mlp", "resnet18")
-DATASETS = ("digits", "mnist", "fashion_mnist", "cifar10", "synthetic")
+DATASETS = ("digits", "mnist", "fashion_mnist", "cifar10", "synthetic", "imagefolder", "custom")
 OPTIMIZERS = ("sgd", "adamw")
 SCHEDULERS = ("none", "cosine", "step", "onecycle")
 PRECISIONS = ("32", "bf16", "fp16")
@@ -23,6 +23,7 @@ DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "nccl", "gloo")
 SPLITS = ("train", "val")
 LOADERS = ("auto", "tensor", "torch")
+INTERPOLATIONS = ("nearest", "bilinear", "bicubic")
 LOGGERS = ("tensorboard", "none")
 PROGRESS = ("auto", "true", "false")
 
@@ -52,8 +53,12 @@ class DataConfig:
     root: str = "data"
     download: bool = False
     batch_size: int = 100  # per process
-    num_workers: int = 0  # data.loader=torch only
-    loader: str = "auto"  # auto | tensor (batches indexed on the device) | torch (DataLoader)
+    # DataLoader worker processes per rank; null = the node's cores / local ranks, less one.
+    num_workers: int | None = None
+    prefetch_factor: int = 2  # batches each worker prepares ahead
+    # auto (tensor for the built-in sets, DataLoader workers for imagefolder and custom) |
+    # tensor (batches indexed on the device) | torch (DataLoader)
+    loader: str = "auto"
     split: str = "val"  # which split eval.py scores
     # What the model is sized for; each data config declares its own.
     in_channels: int = 1
@@ -63,7 +68,16 @@ class DataConfig:
     std: list[float] = field(default_factory=lambda: [0.5])
     val_fraction: float = 0.2  # digits: share held out for validation
     split_seed: int = 0  # digits: fixed split, independent of the training seed
-    augment: bool = False  # cifar10: random crop with padding and horizontal flip
+    # cifar10: random crop with padding and flip on the device; imagefolder and custom:
+    # RandomResizedCrop + horizontal flip per sample
+    augment: bool = False
+    train_dir: str = "train"  # imagefolder: sub-folders of data.root, one folder per class
+    val_dir: str = "val"
+    resize_size: int | None = None  # evaluation Resize; null = round(image_size / 0.875)
+    interpolation: str = "bilinear"  # nearest | bilinear | bicubic
+    skip_bad_images: bool = False  # imagefolder: skip unreadable files with a warning
+    _target_: str | None = None  # custom: a callable returning (train, val) data sets
+    kwargs: dict[str, Any] = field(default_factory=dict)  # custom: +data.NAME=VALUE
     num_train: int = 8000  # synthetic
     num_val: int = 2000  # synthetic
 
@@ -167,6 +181,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _choice("data.name", d.name, DATASETS)
     _choice("data.split", d.split, SPLITS)
     _choice("data.loader", d.loader, LOADERS)
+    _choice("data.interpolation", d.interpolation, INTERPOLATIONS)
     _choice("optim.name", o.name, OPTIMIZERS)
     _choice("sched.name", s.name, SCHEDULERS)
     _choice("trainer.precision", t.precision, PRECISIONS)
@@ -183,6 +198,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         ("data.num_classes", d.num_classes),
         ("data.num_train", d.num_train),
         ("data.num_val", d.num_val),
+        ("data.resize_size", d.resize_size),
         ("model.hidden", m.hidden),
         ("trainer.epochs", t.epochs),
         ("trainer.max_steps", t.max_steps),
@@ -198,12 +214,14 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         _positive(key, value)
     for key, value in (
         ("data.num_workers", d.num_workers),
+        ("data.prefetch_factor", d.prefetch_factor),
         ("optim.weight_decay", o.weight_decay),
         ("optim.momentum", o.momentum),
         ("sched.warmup_steps", s.warmup_steps),
         ("sched.min_lr", s.min_lr),
     ):
         _positive(key, value, allow_zero=True)
+    validate_streamed(d)
     if not 0.0 < d.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction={d.val_fraction} must lie strictly between 0 and 1.")
     if len(d.mean) != d.in_channels or len(d.std) != d.in_channels:
@@ -226,8 +244,47 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     return cfg
 
 
+def validate_streamed(d: DataConfig) -> None:
+    if d.name == "custom" and not d._target_:
+        raise ConfigError(
+            "data=custom needs data._target_=pkg.module.fn: a callable that returns (train, "
+            "val) data sets; pass its arguments as +data.NAME=VALUE."
+        )
+    if d.name != "custom" and (d._target_ or d.kwargs):
+        raise ConfigError(
+            f"data._target_ and +data.NAME arguments are for data=custom (this is data={d.name}):"
+            " add data=custom, or drop them."
+        )
+    if d.name in ("imagefolder", "custom") and d.in_channels not in (1, 3):
+        raise ConfigError(
+            f"data.in_channels={d.in_channels}: images are read as grey (1) or RGB (3); set "
+            "data.in_channels=1 or 3."
+        )
+
+
+def collect_target_kwargs(cfg: DictConfig) -> None:
+    """Move keys a ``+data.NAME=VALUE`` override added to ``data=custom`` into ``data.kwargs``;
+    on any other data set such a key is a mistake."""
+    data = cfg.get("data")
+    if data is None:
+        return
+    extra = [k for k in data if k not in DataConfig.__dataclass_fields__]
+    if not extra:
+        return
+    if data.get("name") != "custom":
+        raise ConfigError(
+            f"data.{extra[0]} is not a key of data={data.get('name')}; check its spelling "
+            "(python train.py --cfg job lists the keys). +data.NAME=VALUE arguments are for "
+            "data=custom."
+        )
+    with open_dict(data):
+        for key in extra:
+            data.kwargs[key] = data.pop(key)
+
+
 def to_schema(cfg: DictConfig, schema: type = TrainConfig) -> Any:
     """Turn a composed DictConfig into its validated dataclass object."""
+    collect_target_kwargs(cfg)
     obj = OmegaConf.to_object(cfg)
     assert isinstance(obj, schema), f"config did not compose onto {schema.__name__}"
     return validate(obj)

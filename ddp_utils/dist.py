@@ -208,6 +208,16 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     return box[0]
 
 
+def any_rank(flag: bool) -> bool:
+    """True on every rank when ``flag`` is true on any rank (an object collective, so it works
+    on every backend without a device tensor)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return flag
+    flags: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, flag)
+    return any(flags)
+
+
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)

@@ -11,9 +11,10 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 
 from ddp_utils.checkpoint import atomic_write, load_checkpoint, load_model_state
-from ddp_utils.config import ConfigError, TrainConfig, to_schema
-from ddp_utils.data import Preprocess, load_split, make_eval_loader
-from ddp_utils.dist import Runtime, init_distributed, local_main_first
+from ddp_utils.config import ConfigError, DataConfig, TrainConfig, to_schema
+from ddp_utils.data import build_eval_data
+from ddp_utils.data.imagefolder import class_difference
+from ddp_utils.dist import Runtime, init_distributed
 from ddp_utils.metrics import evaluate
 from ddp_utils.models import build_model
 from ddp_utils.run import log, setup_logging
@@ -74,12 +75,12 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
     rt = init_distributed(train_cfg.trainer)
     setup_logging(None, rt, "eval")
     data = train_cfg.data
-    with local_main_first(rt):
-        dataset = load_split(data, data.split)
+    loader, preprocess, classes = build_eval_data(data, rt, train_cfg.seed)
+    check_classes(ckpt.get("classes"), classes, checkpoint, data)
     result = evaluate(
         model.to(rt.device),
-        make_eval_loader(dataset, data, rt),
-        Preprocess(data, train=False).to(rt.device),
+        loader,
+        preprocess,
         rt,
         data.num_classes,
         amp_context(train_cfg.trainer.precision, rt.device),
@@ -88,6 +89,20 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
     output = Path(cfg.output) if cfg.output else default_output(checkpoint)
     write_report(result, output, f"{data.name}/{data.split}", rt)
     return result
+
+
+def check_classes(
+    trained: list[str] | None, found: list[str] | None, checkpoint: Path, data: DataConfig
+) -> None:
+    """Refuse a folder whose classes are not the ones the checkpoint was trained on."""
+    if trained is None or found is None or trained == found:
+        return
+    diff = class_difference(trained, found, "the checkpoint", "the folder")
+    raise ConfigError(
+        f"the classes of data.root={data.root} ({data.split} split) differ from those "
+        f"checkpoint={checkpoint} was trained on ({diff}). "
+        "Evaluate on a folder with the same class sub-folders."
+    )
 
 
 def write_report(result: dict[str, Any], output: Path, what: str, rt: Runtime) -> None:

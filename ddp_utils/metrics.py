@@ -22,6 +22,7 @@ from torchmetrics.classification import (
     MulticlassF1Score,
 )
 
+from ddp_utils.data.samplers import BAD_LABEL
 from ddp_utils.dist import Runtime
 
 
@@ -36,41 +37,46 @@ class MeanLoss(Metric):
         self.add_state("count", torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
 
     def update(self, logits: torch.Tensor, target: torch.Tensor) -> None:
-        loss = F.cross_entropy(logits.float(), target, reduction="sum")
+        loss = F.cross_entropy(logits.float(), target, ignore_index=BAD_LABEL, reduction="sum")
         self.loss_sum += loss.double()
-        self.count += target.numel()
+        self.count += (target != BAD_LABEL).sum()
 
     def compute(self) -> torch.Tensor:
         return self.loss_sum / self.count.clamp(min=1)
 
 
 class NumSamples(Metric):
-    """How many predictions were counted, summed over ranks."""
+    """How many predictions were counted (``skipped=True``: how many unreadable images were
+    skipped instead), summed over ranks."""
 
     full_state_update = False
 
-    def __init__(self) -> None:
+    def __init__(self, skipped: bool = False) -> None:
         super().__init__()
+        self.skipped = skipped
         self.add_state("count", torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
 
     def update(self, logits: torch.Tensor, target: torch.Tensor) -> None:
-        self.count += target.numel()
+        self.count += ((target == BAD_LABEL) == self.skipped).sum()
 
     def compute(self) -> torch.Tensor:
         return self.count
 
 
 def build_metrics(num_classes: int, device: torch.device) -> MetricCollection:
+    # Skipped unreadable images (data.skip_bad_images) carry BAD_LABEL: counted apart.
+    skip = {"ignore_index": BAD_LABEL}
     metrics: dict[str, Metric] = {
-        "accuracy": MulticlassAccuracy(num_classes, average="micro"),
-        "f1_macro": MulticlassF1Score(num_classes, average="macro"),
-        "per_class_accuracy": MulticlassAccuracy(num_classes, average=None),
-        "confusion_matrix": MulticlassConfusionMatrix(num_classes),
+        "accuracy": MulticlassAccuracy(num_classes, average="micro", **skip),
+        "f1_macro": MulticlassF1Score(num_classes, average="macro", **skip),
+        "per_class_accuracy": MulticlassAccuracy(num_classes, average=None, **skip),
+        "confusion_matrix": MulticlassConfusionMatrix(num_classes, **skip),
         "loss": MeanLoss(),
         "num_samples": NumSamples(),
+        "skipped_images": NumSamples(skipped=True),
     }
     if num_classes > 5:
-        metrics["top5"] = MulticlassAccuracy(num_classes, top_k=5, average="micro")
+        metrics["top5"] = MulticlassAccuracy(num_classes, top_k=5, average="micro", **skip)
     # compute_groups=False: each metric keeps its own states, so nothing is shared by accident.
     return MetricCollection(metrics, compute_groups=False).to(device)
 
@@ -105,9 +111,11 @@ def evaluate(
     result = {k: v.tolist() if v.ndim else v.item() for k, v in metrics.compute().items()}
     model.train(was_training)
     expected = len(loader.dataset)
-    if result["num_samples"] != expected:
-        raise CountMismatchError(
-            f"evaluation counted {result['num_samples']} predictions for a set of {expected}"
-        )
     result["num_samples"] = int(result["num_samples"])
+    result["skipped_images"] = int(result["skipped_images"])
+    if result["num_samples"] + result["skipped_images"] != expected:
+        raise CountMismatchError(
+            f"evaluation counted {result['num_samples']} predictions and "
+            f"{result['skipped_images']} skipped images for a set of {expected}"
+        )
     return result

@@ -19,6 +19,7 @@ from ddp_utils.checkpoint import (
     step_checkpoints,
 )
 from ddp_utils.config import ConfigError, TrainConfig
+from ddp_utils.data.imagefolder import class_difference
 from ddp_utils.dist import Runtime, all_reduce_sum, broadcast_object
 from ddp_utils.run import log
 
@@ -31,7 +32,7 @@ IDENTITY_KEYS = (
     "model.",
     "data.name", "data.in_channels", "data.image_size", "data.num_classes", "data.mean",
     "data.std", "data.val_fraction", "data.split_seed", "data.num_train", "data.num_val",
-    "seed",
+    "data._target_", "data.kwargs", "seed",
 )  # fmt: skip
 
 
@@ -83,6 +84,7 @@ def checkpoint_state(tr: Training) -> dict[str, Any]:
         "rng": rng,
         "best_accuracy": tr.best_accuracy,
         "world_size": tr.rt.world_size,
+        "classes": tr.data.classes,
         "config": OmegaConf.to_container(OmegaConf.structured(tr.cfg), resolve=True),
     }
 
@@ -158,6 +160,17 @@ def resume(tr: Training) -> None:
             f"cannot resume from {path}: this run changes the model, data set or seed:\n  "
             + "\n  ".join(refused)
             + "\nResume with the checkpoint's settings, or start a new run (another run_dir)."
+        )
+    stored_classes = ckpt.get("classes")
+    if (
+        stored_classes is not None
+        and tr.data.classes is not None
+        and stored_classes != tr.data.classes
+    ):
+        diff = class_difference(stored_classes, tr.data.classes, "the checkpoint", "the data")
+        raise ConfigError(
+            f"cannot resume from {path}: its classes differ from the data's now ({diff}). "
+            "Restore the class folders, or start a new run (another run_dir)."
         )
     if allowed:
         log.info("resuming with changed settings: %s", "; ".join(allowed))

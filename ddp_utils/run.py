@@ -97,6 +97,12 @@ def write_config(run_dir: Path, cfg: Any, rt: Runtime) -> None:
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
 
 
+def write_classes(run_dir: Path, classes: list[str] | None, rt: Runtime) -> None:
+    """``classes.json``: the class names in label order, where the data set has them."""
+    if rt.is_main and classes is not None:
+        (run_dir / "classes.json").write_text(json.dumps(classes, indent=1) + "\n")
+
+
 def append_metrics(run_dir: Path, record: dict[str, Any], rt: Runtime) -> None:
     if rt.is_main:
         with open(run_dir / "metrics.jsonl", "a") as f:

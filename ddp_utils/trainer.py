@@ -18,7 +18,7 @@ from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_utils.config import ConfigError, TrainConfig, TrainerConfig
-from ddp_utils.data import IGNORE_LABEL, DataBundle, build_data
+from ddp_utils.data import BAD_LABEL, IGNORE_LABEL, DataBundle, build_data
 from ddp_utils.dist import Runtime, all_reduce_sum
 from ddp_utils.faults import SampleRecorder, maybe_inject
 from ddp_utils.metrics import evaluate
@@ -33,6 +33,7 @@ from ddp_utils.run import (
     resolve_run_dir,
     seconds_since_process_start,
     setup_logging,
+    write_classes,
     write_config,
 )
 from ddp_utils.tracking import Tracker, peak_memory_mb, write_environment
@@ -98,7 +99,7 @@ class Training:
     progress: Progress
     tracker: Tracker
     recorder: SampleRecorder
-    # This rank's (loss sum, real samples) of the epoch so far, kept on the device.
+    # This rank's (loss sum, real samples, skipped images) of the epoch so far, on the device.
     epoch_totals: torch.Tensor
     epoch: int = 0  # epochs completed; the one in progress
     step: int = 0  # optimizer steps taken
@@ -148,7 +149,7 @@ def build_training(cfg: TrainConfig, rt: Runtime, run_dir: Path) -> Training:
         progress=Progress(t.progress, rt.is_main, total_steps, global_batch(cfg, rt)),
         tracker=Tracker(cfg.logger, run_dir, rt),
         recorder=SampleRecorder(rt.rank),
-        epoch_totals=torch.zeros(2, dtype=torch.float64, device=rt.device),
+        epoch_totals=torch.zeros(3, dtype=torch.float64, device=rt.device),
     )
 
 
@@ -174,7 +175,7 @@ def train_one_epoch(tr: Training) -> dict[str, float]:
     checkpointing when a stop signal arrives.
     """
     loader, accum, device = tr.data.train, tr.cfg.trainer.grad_accum_steps, tr.rt.device
-    sampler = loader.sampler
+    sampler, skip_bad = tr.data.train_sampler, tr.cfg.data.skip_bad_images
     sampler.set_epoch(tr.epoch, tr.sample_offset)
     if tr.recorder.path:
         tr.recorder.start_epoch(list(sampler))
@@ -187,6 +188,9 @@ def train_one_epoch(tr: Training) -> dict[str, float]:
         last_micro = i == group_start + group_len - 1
         images = tr.data.preprocess_train(images.to(device, non_blocking=True))
         labels = labels.to(device, non_blocking=True)
+        if skip_bad:  # an unreadable image, skipped: counted apart, its label ignored
+            tr.epoch_totals[2] += (labels == BAD_LABEL).sum()
+            labels = torch.where(labels == BAD_LABEL, IGNORE_LABEL, labels)
         # Only the last micro-batch of a group all-reduces its gradients.
         sync = contextlib.nullcontext() if last_micro else tr.model.no_sync()
         with sync:
@@ -211,7 +215,10 @@ def train_one_epoch(tr: Training) -> dict[str, float]:
     tr.progress.end_epoch()
     totals = all_reduce_sum(tr.epoch_totals.clone()).tolist()
     elapsed = time.perf_counter() - start
-    return {"train/loss": totals[0] / max(totals[1], 1), "samples_per_s": totals[1] / elapsed}
+    stats = {"train/loss": totals[0] / max(totals[1], 1), "samples_per_s": totals[1] / elapsed}
+    if skip_bad:
+        stats["train/skipped_images"] = int(totals[2])
+    return stats
 
 
 def after_step(tr: Training, end_of_epoch: bool) -> None:
@@ -232,7 +239,7 @@ def after_step(tr: Training, end_of_epoch: bool) -> None:
     tr.progress.update(tr.step)
     if tr.step % tr.cfg.trainer.log_every_steps == 0 and tr.rt.is_main:
         # This rank's running loss: one host sync per log point, none per step.
-        loss_sum, count = tr.epoch_totals.tolist()
+        loss_sum, count = tr.epoch_totals[:2].tolist()
         loss, lr = loss_sum / max(count, 1), current_lr(tr)
         tr.progress.report(tr.step, loss, lr)
         tr.tracker.scalars({"train/loss_running": loss, "lr": lr}, tr.step)
@@ -262,6 +269,8 @@ def validate_and_save(tr: Training, train_stats: dict[str, float]) -> dict[str, 
         "val/f1_macro": val["f1_macro"],
         "val/num_samples": val["num_samples"],
     }
+    if tr.cfg.data.skip_bad_images:
+        record["val/skipped_images"] = val["skipped_images"]
     append_metrics(tr.run_dir, record, tr.rt)
     scalars = {key: record[key] for key in TRACKED if key in record}
     tr.tracker.scalars(scalars | {"peak_memory_mb": peak_memory_mb(tr.rt.device)}, tr.step)
@@ -309,6 +318,7 @@ def train_epochs(tr: Training) -> dict[str, Any]:
     tr.first_step = tr.step + 1
     write_config(tr.run_dir, cfg, rt)
     write_environment(tr.run_dir, rt)
+    write_classes(tr.run_dir, tr.data.classes, rt)
     log.info(
         "run_dir %s | world size %d | device %s | backend %s | global batch %d "
         "(%d per process x %d processes x %d accumulation steps) | %d steps",

@@ -10,10 +10,13 @@ import torch
 from conftest import read_metrics, run_script
 from torch.utils.data import DistributedSampler
 
-from ddp_utils import data as data_mod
 from ddp_utils.config import DataConfig
-from ddp_utils.data import IGNORE_LABEL, ImageTensorDataset, TensorLoader, cache_path, load_split
-from ddp_utils.samplers import ResumableDistributedSampler
+from ddp_utils.data import IGNORE_LABEL, load_split
+from ddp_utils.data import builtin as data_mod
+from ddp_utils.data.builtin import ImageTensorDataset
+from ddp_utils.data.cache import cache_path
+from ddp_utils.data.loaders import TensorLoader
+from ddp_utils.data.samplers import ResumableDistributedSampler
 
 
 def indexed_dataset(n: int) -> ImageTensorDataset:
@@ -79,7 +82,7 @@ def test_cache_is_built_reused_and_rebuilt_when_the_source_changes(tmp_path, mon
     cfg = DataConfig(name="mnist", root=str(tmp_path), image_size=28)
     fake_mnist(tmp_path, torch.arange(12) % 10)
     first = load_split(cfg, "train")
-    assert cache_path(cfg, "train").is_file()
+    assert cache_path(cfg.root, "mnist-train.pt").is_file()
 
     decoded = []
     real_decode = data_mod._decode_torchvision
@@ -99,6 +102,6 @@ def test_read_only_data_root_caches_elsewhere(tmp_path):
     tmp_path.chmod(0o555)
     try:
         cfg = DataConfig(name="mnist", root=str(tmp_path), image_size=28)
-        assert not str(cache_path(cfg, "train")).startswith(str(tmp_path))
+        assert not str(cache_path(cfg.root, "mnist-train.pt")).startswith(str(tmp_path))
     finally:
         tmp_path.chmod(0o755)

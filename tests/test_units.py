@@ -10,7 +10,9 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from ddp_utils.config import ConfigError, DataConfig, ModelConfig, SchedConfig, TrainerConfig
-from ddp_utils.data import Preprocess, load_split, random_crop_flip
+from ddp_utils.data import Preprocess, load_split
+from ddp_utils.data.samplers import EvalShardSampler
+from ddp_utils.data.transforms import random_crop_flip
 from ddp_utils.dist import (
     Runtime,
     first_host,
@@ -22,7 +24,6 @@ from ddp_utils.dist import (
 )
 from ddp_utils.models import build_model
 from ddp_utils.optim import lr_factor
-from ddp_utils.samplers import EvalShardSampler
 
 TORCHRUN_ENV = {
     "RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4",
@@ -158,7 +159,7 @@ def test_missing_torchvision_data_names_root_and_fix(tmp_path):
 def test_preprocess_normalises_and_augments_in_batch():
     cfg = DataConfig(in_channels=3, image_size=32, mean=[0.5] * 3, std=[0.25] * 3, augment=True)
     x = torch.full((4, 3, 32, 32), 128, dtype=torch.uint8)
-    out = Preprocess(cfg, train=False)(x)
+    out = Preprocess(cfg, augment=False)(x)
     assert out.dtype == torch.float32 and torch.allclose(
         out, torch.full_like(out, 0.00784), atol=1e-4
     )

@@ -1,4 +1,4 @@
-"""Samplers that shard a data set over ranks."""
+"""Samplers that shard a data set over ranks, and the labels that mark samples not to count."""
 
 from __future__ import annotations
 
@@ -7,6 +7,9 @@ from collections.abc import Iterator
 
 import torch
 from torch.utils.data import Sampler
+
+IGNORE_LABEL = -100  # cross_entropy's default ignore_index: a padding duplicate
+BAD_LABEL = -101  # an image that could not be read, skipped under data.skip_bad_images=true
 
 
 class EvalShardSampler(Sampler[int]):
@@ -78,3 +81,22 @@ class ResumableDistributedSampler(Sampler[int]):
     def consumed(self, batches: int, batch_size: int) -> int:
         """The epoch position after every rank has taken ``batches`` batches from here."""
         return min(self.length, self.start + batches * batch_size * self.world_size)
+
+
+class EpochTagged(Sampler[tuple[int, int]]):
+    """Yields ``(epoch, index)`` for each index of a ``ResumableDistributedSampler``.
+
+    DataLoader workers hold copies of the data set, so they cannot learn the epoch from a
+    ``set_epoch`` call in the main process; the key they are handed carries it instead, and
+    each sample's augmentation is seeded from (seed, epoch, index) alone.
+    """
+
+    def __init__(self, sampler: ResumableDistributedSampler) -> None:
+        self.sampler = sampler
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        epoch = self.sampler.epoch
+        return ((epoch, i) for i in self.sampler)
+
+    def __len__(self) -> int:
+        return len(self.sampler)

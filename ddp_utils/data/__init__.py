@@ -1,0 +1,119 @@
+"""Data for training and evaluation; ``build_data`` and ``build_eval_data`` are the front door.
+
+Two paths, one set of guarantees (DistributedSampler's indices, exact mid-epoch resume,
+every sample exactly once per epoch and in evaluation, at any world size):
+- in memory (``builtin``): the small built-in sets, decoded once into uint8 tensors that the
+  tensor loader indexes on the device (the fastest path for them; ``data.loader=auto``);
+- streamed (``imagefolder``, ``custom``): images read and decoded in DataLoader workers,
+  transformed per sample with a seed of (seed, epoch, index).
+Batches stay uint8 until they reach the device, where ``Preprocess`` normalises them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from ddp_utils.config import ConfigError, DataConfig
+from ddp_utils.data.builtin import ImageTensorDataset, load_split
+from ddp_utils.data.custom import CustomSource, load_custom
+from ddp_utils.data.imagefolder import ImageFolderSource, check_same_classes, load_index
+from ddp_utils.data.loaders import TensorLoader, worker_loader
+from ddp_utils.data.samplers import (
+    BAD_LABEL,
+    IGNORE_LABEL,
+    EpochTagged,
+    EvalShardSampler,
+    ResumableDistributedSampler,
+)
+from ddp_utils.data.transforms import Preprocess, SeededTransform, eval_transform, train_transform
+from ddp_utils.dist import Runtime, local_main_first
+
+__all__ = [
+    "BAD_LABEL", "IGNORE_LABEL", "DataBundle", "Preprocess", "build_data", "build_eval_data",
+    "load_split",
+]  # fmt: skip
+
+STREAMED = ("imagefolder", "custom")
+
+
+@dataclass
+class DataBundle:
+    train: TensorLoader | DataLoader
+    val: TensorLoader | DataLoader
+    train_sampler: ResumableDistributedSampler
+    preprocess_train: nn.Module
+    preprocess_eval: nn.Module
+    classes: list[str] | None = None  # class names, where the source has them
+
+
+def streamed_sources(cfg: DataConfig, rt: Runtime, splits: tuple[str, ...]) -> dict[str, Dataset]:
+    """``(uint8 CHW image, label)`` sources of an image folder or a user's data set."""
+    if cfg.loader == "tensor":
+        raise ConfigError(
+            f"data={cfg.name} streams from disk through DataLoader workers: data.loader=tensor "
+            "is for the built-in in-memory sets; use data.loader=auto."
+        )
+    if cfg.name == "imagefolder":
+        return {s: ImageFolderSource(load_index(cfg, s, rt), cfg) for s in splits}
+    train, val = load_custom(cfg)
+    return {s: CustomSource(train if s == "train" else val, cfg, s) for s in splits}
+
+
+def in_memory_loader(
+    ds: ImageTensorDataset, sampler: Sampler, cfg: DataConfig, rt: Runtime
+) -> TensorLoader | DataLoader:
+    """``data.loader``: ``tensor`` (``auto``: batches indexed on the device) or ``torch``."""
+    if cfg.loader in ("auto", "tensor"):
+        return TensorLoader(ds, sampler, cfg.batch_size, rt.device)
+    return worker_loader(ds, sampler, cfg, rt)
+
+
+def build_data(cfg: DataConfig, rt: Runtime, seed: int, channels_last: bool = False) -> DataBundle:
+    """Every rank: the training and validation loaders of ``data=...`` and their preprocessing."""
+    classes = None
+    if cfg.name in STREAMED:
+        src = streamed_sources(cfg, rt, ("train", "val"))
+        classes = src["train"].classes
+        if cfg.name == "imagefolder":
+            check_same_classes(classes, src["val"].classes, cfg)
+        sampler = ResumableDistributedSampler(len(src["train"]), rt.world_size, rt.rank, seed=seed)
+        train_ds = SeededTransform(src["train"], train_transform(cfg), seed)
+        val_ds = SeededTransform(src["val"], eval_transform(cfg), seed)
+        train = worker_loader(train_ds, EpochTagged(sampler), cfg, rt)
+        val = worker_loader(val_ds, EvalShardSampler(len(val_ds), rt.world_size, rt.rank), cfg, rt)
+        augment_on_device = False  # done per sample in the workers
+    else:
+        with local_main_first(rt):
+            train_ds, val_ds = load_split(cfg, "train"), load_split(cfg, "val")
+        sampler = ResumableDistributedSampler(len(train_ds), rt.world_size, rt.rank, seed=seed)
+        train = in_memory_loader(train_ds, sampler, cfg, rt)
+        val = in_memory_loader(
+            val_ds, EvalShardSampler(len(val_ds), rt.world_size, rt.rank), cfg, rt
+        )
+        augment_on_device = cfg.augment
+    return DataBundle(
+        train=train,
+        val=val,
+        train_sampler=sampler,
+        preprocess_train=Preprocess(cfg, augment_on_device, channels_last).to(rt.device),
+        preprocess_eval=Preprocess(cfg, False, channels_last).to(rt.device),
+        classes=classes,
+    )
+
+
+def build_eval_data(
+    cfg: DataConfig, rt: Runtime, seed: int
+) -> tuple[TensorLoader | DataLoader, nn.Module, list[str] | None]:
+    """Every rank: the loader of ``data.split`` sharded exactly, its preprocessing, classes."""
+    if cfg.name in STREAMED:
+        source = streamed_sources(cfg, rt, (cfg.split,))[cfg.split]
+        ds, classes = SeededTransform(source, eval_transform(cfg), seed), source.classes
+        loader = worker_loader(ds, EvalShardSampler(len(ds), rt.world_size, rt.rank), cfg, rt)
+    else:
+        with local_main_first(rt):
+            ds, classes = load_split(cfg, cfg.split), None
+        loader = in_memory_loader(ds, EvalShardSampler(len(ds), rt.world_size, rt.rank), cfg, rt)
+    return loader, Preprocess(cfg, False).to(rt.device), classes

@@ -1,0 +1,130 @@
+"""The built-in data sets, decoded whole into memory as uint8 image tensors.
+
+digits (scikit-learn's bundled 8x8 digits), synthetic, and torchvision's MNIST, FashionMNIST
+and CIFAR-10 are small: each is decoded once into an ``(N, C, H, W)`` uint8 tensor plus int64
+labels (cached on disk for torchvision's sets), which the tensor loader indexes on the device.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from torch.utils.data import Dataset
+
+from ddp_utils.config import ConfigError, DataConfig
+from ddp_utils.data.cache import cache_path, cached
+from ddp_utils.data.samplers import IGNORE_LABEL
+
+TORCHVISION_SETS = {"mnist": "MNIST", "fashion_mnist": "FashionMNIST", "cifar10": "CIFAR10"}
+
+
+class ImageTensorDataset(Dataset):
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor) -> None:
+        assert images.dtype == torch.uint8 and images.ndim == 4, "images must be uint8 NCHW"
+        assert len(images) == len(labels)
+        self.images, self.labels = images, labels
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if i < 0:  # a sampler's padding duplicate (pad_marker): computed, never counted
+            return self.images[~i], torch.tensor(IGNORE_LABEL)
+        return self.images[i], self.labels[i]
+
+
+def _digits(cfg: DataConfig, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+    from sklearn.datasets import load_digits  # bundled with scikit-learn: no download
+
+    bunch = load_digits()
+    # 17 grey levels (0..16) spread over the uint8 range.
+    images = torch.from_numpy(bunch.images * (255.0 / 16.0)).round().to(torch.uint8)
+    labels = torch.from_numpy(bunch.target).long()
+    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(cfg.split_seed))
+    n_val = round(len(labels) * cfg.val_fraction)
+    idx = order[:n_val] if split == "val" else order[n_val:]
+    return images[idx].unsqueeze(1).contiguous(), labels[idx]
+
+
+def _synthetic(cfg: DataConfig, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+    n = cfg.num_train if split == "train" else cfg.num_val
+    g = torch.Generator().manual_seed(1 if split == "train" else 2)
+    shape = (n, cfg.in_channels, cfg.image_size, cfg.image_size)
+    images = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+    labels = torch.randint(0, cfg.num_classes, (n,), generator=g)
+    return images, labels
+
+
+def _source_dir(cfg: DataConfig) -> Path:
+    if cfg.name == "cifar10":
+        return Path(cfg.root) / "cifar-10-batches-py"
+    return Path(cfg.root) / TORCHVISION_SETS[cfg.name] / "raw"
+
+
+def _fingerprint(folder: Path) -> str:
+    """Names, sizes and modification times of the source files: a change rebuilds the cache."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    stats = [(str(p.relative_to(folder)), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    return hashlib.sha1(json.dumps(stats).encode()).hexdigest()
+
+
+def _decode_torchvision(cfg: DataConfig, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+    import torchvision
+
+    cls = getattr(torchvision.datasets, TORCHVISION_SETS[cfg.name])
+    try:
+        ds = cls(root=cfg.root, train=(split == "train"), download=cfg.download)
+    except RuntimeError as e:
+        hint = (
+            "set data.download=true to fetch it"
+            if not cfg.download
+            else "check the network or place the files there by hand"
+        )
+        raise ConfigError(
+            f"data={cfg.name}: no usable data under data.root={cfg.root} ({e}); {hint}, "
+            f"or point data.root at the folder that holds {TORCHVISION_SETS[cfg.name]}/."
+        ) from None
+    images = torch.as_tensor(ds.data)
+    images = images.unsqueeze(1) if images.ndim == 3 else images.permute(0, 3, 1, 2)
+    return images.contiguous(), torch.as_tensor(ds.targets).long()
+
+
+def _torchvision(cfg: DataConfig, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode once into uint8 tensors, cached on disk and reused while the source is unchanged."""
+    source = _source_dir(cfg)
+    if not source.is_dir():
+        return _decode_torchvision(cfg, split)  # downloads, or says how to get the data
+
+    def decode() -> dict[str, torch.Tensor]:
+        images, labels = _decode_torchvision(cfg, split)
+        return {"images": images, "labels": labels}
+
+    contents, _ = cached(
+        cache_path(cfg.root, f"{cfg.name}-{split}.pt"), _fingerprint(source), decode
+    )
+    return contents["images"], contents["labels"]
+
+
+def load_split(cfg: DataConfig, split: str) -> ImageTensorDataset:
+    """Decode one split of ``cfg.name`` into memory and check it against the declared shape."""
+    if cfg.name == "digits":
+        images, labels = _digits(cfg, split)
+    elif cfg.name == "synthetic":
+        images, labels = _synthetic(cfg, split)
+    else:
+        images, labels = _torchvision(cfg, split)
+    declared = (cfg.in_channels, cfg.image_size, cfg.image_size)
+    if tuple(images.shape[1:]) != declared:
+        raise ConfigError(
+            f"data={cfg.name} holds images of shape {tuple(images.shape[1:])} but the config "
+            f"declares (data.in_channels, data.image_size) = {declared}; fix those keys."
+        )
+    if int(labels.max()) >= cfg.num_classes:
+        raise ConfigError(
+            f"data={cfg.name} has label {int(labels.max())} but data.num_classes="
+            f"{cfg.num_classes}; raise data.num_classes."
+        )
+    return ImageTensorDataset(images, labels)

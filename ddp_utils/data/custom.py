@@ -1,0 +1,73 @@
+"""Your own data set: ``data=custom data._target_=pkg.module.fn +data.NAME=VALUE``.
+
+The target (built with Hydra's ``instantiate``) returns ``(train, val)``: two map-style data
+sets whose items are ``(image, label)``, the image a PIL image or a tensor (uint8, or float in
+[0, 1]; CHW or HW). Each item is turned into a uint8 CHW tensor of ``data.in_channels``
+channels, then goes through the same seeded transforms, samplers and on-device
+normalisation as an image folder.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from torch.utils.data import Dataset
+from torchvision.transforms.v2 import functional as TF
+
+from ddp_utils.config import ConfigError, DataConfig
+from ddp_utils.data.imagefolder import match_channels
+
+
+def load_custom(cfg: DataConfig) -> tuple[Dataset, Dataset]:
+    """Call ``data._target_`` with ``data.kwargs``; check it returned two sized data sets."""
+    try:
+        made = instantiate({"_target_": cfg._target_, **cfg.kwargs})
+    except InstantiationException as e:
+        cause = e.__cause__ or e
+        raise ConfigError(
+            f"data._target_={cfg._target_} could not be called with {dict(cfg.kwargs)} "
+            f"({type(cause).__name__}: {str(cause).strip().splitlines()[-1][:300]}). Check that "
+            "the module is importable from where you launch (PYTHONPATH) and that its "
+            "arguments match the +data.NAME=VALUE overrides."
+        ) from None
+    if not (isinstance(made, tuple | list) and len(made) == 2):
+        raise ConfigError(
+            f"data._target_={cfg._target_} returned {type(made).__name__}; it must return "
+            "(train, val), two map-style data sets of (image, label)."
+        )
+    for name, ds in zip(("train", "val"), made, strict=True):
+        if not hasattr(ds, "__getitem__") or not hasattr(ds, "__len__"):
+            raise ConfigError(
+                f"data._target_={cfg._target_}: its {name} set ({type(ds).__name__}) is not a "
+                "map-style data set (it needs __len__ and __getitem__)."
+            )
+    return made[0], made[1]
+
+
+def to_uint8_image(image: Any, channels: int, where: str) -> torch.Tensor:
+    if not isinstance(image, torch.Tensor):  # a PIL image
+        image = TF.pil_to_tensor(image.convert("L" if channels == 1 else "RGB"))
+    elif image.is_floating_point():
+        image = (image * 255.0).round().clamp(0, 255).to(torch.uint8)
+    elif image.dtype != torch.uint8:
+        image = image.clamp(0, 255).to(torch.uint8)
+    return match_channels(image, channels, where)
+
+
+class CustomSource(Dataset):
+    """A user's data set as ``(uint8 CHW image, int label)``."""
+
+    def __init__(self, ds: Dataset, cfg: DataConfig, split: str) -> None:
+        self.ds, self.channels = ds, cfg.in_channels
+        self.where = f"data._target_={cfg._target_} ({split} set)"
+        self.classes = list(getattr(ds, "classes", []) or []) or None
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        image, label = self.ds[i]
+        return to_uint8_image(image, self.channels, self.where), int(label)

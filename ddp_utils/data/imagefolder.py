@@ -1,0 +1,279 @@
+"""Image folders streamed from disk: ``root/train/<class>/*.jpg``, ``root/val/<class>/*.png``.
+
+The folder is listed once per job, by global rank 0; the index (relative paths, labels, file
+sizes) is cached beside the data (or in the user cache when ``data.root`` is read-only),
+keyed on the modification times of the split folder and its class folders, which change
+whenever a file is added, removed or renamed in them. The other ranks read the cached index;
+where they cannot see it, rank 0 sends it. Images are read and decoded in the DataLoader's
+workers, one at a time, so nothing holds the whole set in memory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+from torchvision.io import ImageReadMode, decode_image, read_file
+from torchvision.transforms.v2 import functional as TF
+
+from ddp_utils.config import ConfigError, DataConfig
+from ddp_utils.data.cache import cache_path, cached, read_cache
+from ddp_utils.data.samplers import BAD_LABEL
+from ddp_utils.dist import Runtime, any_rank, broadcast_object
+from ddp_utils.run import log
+
+EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")  # matched without regard to case
+TORCHVISION_DECODES = (".jpg", ".jpeg", ".png", ".webp")  # others are decoded by PIL
+INDEX_VERSION = 1
+
+
+class BadImageError(ConfigError):
+    """An image file that cannot be read or decoded; only the rank that read it sees it."""
+
+    def __init__(self, message: str) -> None:
+        # A DataLoader worker's exception comes back wrapped in the worker's traceback text:
+        # keep only this error's own paragraph.
+        marker = f"{type(self).__name__}: "
+        if marker in message:
+            message = message.rsplit(marker, 1)[1].strip()
+        super().__init__(message, rank_specific=True)
+
+
+class PathTable:
+    """Many paths as one byte buffer plus offsets: no per-path Python object, so forked
+    workers do not copy the index page by page as reference counts are touched."""
+
+    def __init__(self, data: torch.Tensor, offsets: torch.Tensor) -> None:
+        self.data, self.offsets = data.numpy(), offsets.numpy()
+
+    @classmethod
+    def build(cls, paths: list[str]) -> PathTable:
+        encoded = [p.encode() for p in paths]
+        offsets = np.cumsum([0] + [len(e) for e in encoded], dtype=np.int64)
+        data = np.frombuffer(b"".join(encoded), dtype=np.uint8).copy()
+        return cls(torch.from_numpy(data), torch.from_numpy(offsets))
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i: int) -> str:
+        return self.data[self.offsets[i] : self.offsets[i + 1]].tobytes().decode()
+
+
+@dataclass
+class FolderIndex:
+    """One split of an image folder: its class names and every image's path, label, size."""
+
+    folder: Path
+    classes: list[str]
+    paths: PathTable
+    labels: torch.Tensor
+    sizes: torch.Tensor
+
+    def to_dict(self) -> dict:
+        return {
+            "classes": self.classes, "paths": torch.from_numpy(self.paths.data),
+            "offsets": torch.from_numpy(self.paths.offsets), "labels": self.labels,
+            "sizes": self.sizes,
+        }  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, folder: Path, d: dict) -> FolderIndex:
+        paths = PathTable(d["paths"], d["offsets"])
+        return cls(folder, list(d["classes"]), paths, d["labels"], d["sizes"])
+
+
+def split_folder(cfg: DataConfig, split: str) -> Path:
+    return Path(cfg.root) / (cfg.train_dir if split == "train" else cfg.val_dir)
+
+
+def is_image(name: str) -> bool:
+    return name.lower().endswith(EXTENSIONS) and not name.startswith(".")
+
+
+def class_folders(folder: Path, key: str) -> list[os.DirEntry]:
+    """The class sub-folders of a split folder, sorted by name; errors name the fix."""
+    layout = "data.root/<train_dir>/<class>/<image> (and the same under <val_dir>)"
+    if not folder.parent.is_dir():
+        raise ConfigError(
+            f"data.root={folder.parent} does not exist. Point data.root at the folder that "
+            f"holds {folder.name}/, laid out as {layout}."
+        )
+    if not folder.is_dir():
+        raise ConfigError(
+            f"{key}: the folder {folder} does not exist. Create it ({layout}), or name the "
+            f"folder you have with {key}=NAME."
+        )
+    with os.scandir(folder) as entries:
+        dirs = sorted(
+            (e for e in entries if e.is_dir() and not e.name.startswith(".")),
+            key=lambda e: e.name,
+        )
+    if not dirs:
+        raise ConfigError(
+            f"{folder} has no class folders: put each class's images in a sub-folder "
+            f"named after the class ({layout})."
+        )
+    return dirs
+
+
+def folder_key(folder: Path, dirs: list[os.DirEntry]) -> str:
+    """What the cached index depends on: the folder, its class folders and their mtimes."""
+    stats = [str(folder.resolve()), folder.stat().st_mtime_ns, INDEX_VERSION, EXTENSIONS]
+    stats += [(d.name, d.stat().st_mtime_ns) for d in dirs]
+    return hashlib.sha1(json.dumps(stats).encode()).hexdigest()
+
+
+def scan(folder: Path, dirs: list[os.DirEntry]) -> FolderIndex:
+    """List every image under each class folder (recursively, sorted); refuse empty classes."""
+    start = time.perf_counter()
+    paths, labels, sizes = [], [], []
+    for label, d in enumerate(dirs):
+        before = len(paths)
+        for parent, subdirs, files in os.walk(d.path, followlinks=True):
+            subdirs[:] = sorted(s for s in subdirs if not s.startswith("."))
+            for name in sorted(files):
+                if is_image(name):
+                    full = os.path.join(parent, name)
+                    paths.append(os.path.relpath(full, folder))
+                    sizes.append(os.stat(full).st_size)
+                    labels.append(label)
+        if len(paths) == before:
+            raise ConfigError(
+                f"the class folder {d.path} holds no images ({', '.join(EXTENSIONS)}, any "
+                "case): add its images, or remove the folder."
+            )
+    log.info(
+        "scanned %s: %d images in %d classes (%.1f s); index cached",
+        folder, len(paths), len(dirs), time.perf_counter() - start,
+    )  # fmt: skip
+    return FolderIndex(
+        folder, [d.name for d in dirs], PathTable.build(paths),
+        torch.tensor(labels, dtype=torch.long), torch.tensor(sizes, dtype=torch.long),
+    )  # fmt: skip
+
+
+def _main_rank_index(cfg: DataConfig, split: str) -> tuple[FolderIndex, Path, str]:
+    folder = split_folder(cfg, split)
+    dirs = class_folders(folder, f"data.{split}_dir")
+    key = folder_key(folder, dirs)
+    path = cache_path(cfg.root, f"imagefolder-{folder.name}.pt")
+    contents, _ = cached(path, key, lambda: scan(folder, dirs).to_dict())
+    return FolderIndex.from_dict(folder, contents), path, key
+
+
+def load_index(cfg: DataConfig, split: str, rt: Runtime) -> FolderIndex:
+    """Every rank: the split's index, scanned (or read from the cache) by global rank 0 only."""
+    index, where, error = None, None, None
+    if rt.is_main:
+        try:
+            index, path, key = _main_rank_index(cfg, split)
+            where = (str(path), key)
+        except ConfigError as e:
+            error = str(e)
+    where, error = broadcast_object((where, error))
+    if error:
+        raise ConfigError(error)
+    folder = split_folder(cfg, split)
+    if not rt.is_main:
+        contents = read_cache(Path(where[0]), where[1])
+        index = FolderIndex.from_dict(folder, contents) if contents else None
+    if any_rank(index is None):  # a rank that cannot see the cache: rank 0 sends the index
+        sent = broadcast_object(index.to_dict() if rt.is_main else None)
+        index = index or FolderIndex.from_dict(folder, sent)
+    return index
+
+
+def match_channels(image: torch.Tensor, channels: int, where: str) -> torch.Tensor:
+    """A uint8 CHW image with ``channels`` channels (1 grey or 3 RGB); alpha is dropped."""
+    if image.ndim == 2:
+        image = image.unsqueeze(0)
+    if image.ndim != 3:
+        raise ConfigError(
+            f"{where}: expected an image of shape (C, H, W), got {tuple(image.shape)}"
+        )
+    c = image.shape[0]
+    if c in (2, 4):  # grey + alpha, RGB + alpha
+        image, c = image[: c - 1], c - 1
+    if c == channels:
+        return image
+    if c == 3 and channels == 1:
+        return TF.rgb_to_grayscale(image)
+    if c == 1 and channels == 3:
+        return image.expand(3, -1, -1).contiguous()
+    raise ConfigError(
+        f"{where}: an image with {c} channels cannot be read as data.in_channels={channels}; "
+        "use data.in_channels=1 (grey) or 3 (RGB)."
+    )
+
+
+def decode(path: str, channels: int) -> torch.Tensor:
+    """Read and decode one image file into a uint8 CHW tensor of ``channels`` channels."""
+    if path.lower().endswith(TORCHVISION_DECODES):
+        mode = ImageReadMode.GRAY if channels == 1 else ImageReadMode.RGB
+        image = decode_image(read_file(path), mode=mode)
+    else:
+        from PIL import Image
+
+        with Image.open(path) as im:
+            image = TF.pil_to_tensor(im.convert("L" if channels == 1 else "RGB"))
+    return match_channels(image, channels, path)
+
+
+class ImageFolderSource(Dataset):
+    """``(uint8 CHW image, label)`` for each file of a ``FolderIndex``, decoded on access."""
+
+    def __init__(self, index: FolderIndex, cfg: DataConfig) -> None:
+        self.index, self.channels, self.size = index, cfg.in_channels, cfg.image_size
+        self.skip_bad = cfg.skip_bad_images
+        self.warned: set[str] = set()
+        self.classes = index.classes
+
+    def __len__(self) -> int:
+        return len(self.index.labels)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        path = str(self.index.folder / self.index.paths[i])
+        try:
+            return decode(path, self.channels), int(self.index.labels[i])
+        except (RuntimeError, OSError, ValueError) as e:
+            reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            if not self.skip_bad:
+                raise BadImageError(
+                    f"cannot read the image {path} ({reason[:200]}). Replace or delete the "
+                    "file, or set data.skip_bad_images=true to skip unreadable images."
+                ) from None
+            if path not in self.warned:  # once per file in each worker process
+                self.warned.add(path)
+                log.warning("skipping the unreadable image %s (%s)", path, reason[:200])
+            return torch.zeros(self.channels, self.size, self.size, dtype=torch.uint8), BAD_LABEL
+
+
+def class_difference(a: list[str], b: list[str], a_name: str, b_name: str) -> str:
+    """How two class lists differ, in words."""
+    only_a, only_b = sorted(set(a) - set(b)), sorted(set(b) - set(a))
+    if not only_a and not only_b:
+        return "the same names in another order"
+    return f"only in {a_name}: {only_a or 'none'}; only in {b_name}: {only_b or 'none'}"
+
+
+def check_same_classes(train: list[str], val: list[str], cfg: DataConfig) -> None:
+    """The val folder's classes must be the train folder's, and as many as data.num_classes."""
+    if val != train:
+        diff = class_difference(train, val, f"{cfg.train_dir}/", f"{cfg.val_dir}/")
+        raise ConfigError(
+            f"the class folders of {cfg.val_dir}/ differ from {cfg.train_dir}/ under "
+            f"data.root={cfg.root} ({diff}). Give both the same class folders."
+        )
+    if len(train) != cfg.num_classes:
+        raise ConfigError(
+            f"data.root={cfg.root} has {len(train)} class folders but data.num_classes="
+            f"{cfg.num_classes}; set data.num_classes={len(train)}."
+        )

@@ -1,0 +1,73 @@
+"""Loaders: batches indexed on the device for in-memory sets, DataLoader workers for streams."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from ddp_utils.config import DataConfig
+from ddp_utils.data.builtin import ImageTensorDataset
+from ddp_utils.data.samplers import IGNORE_LABEL
+from ddp_utils.dist import Runtime
+
+MAX_AUTO_WORKERS = 16
+
+
+class TensorLoader:
+    """Batches by indexing tensors that live on the training device: no workers, no collation.
+
+    It takes the same sampler as a DataLoader would (so each rank gets the same indices in
+    the same order) and turns the epoch's index list into one device tensor; each batch is
+    then a gather on the device. Padding markers (negative indices) get the ignored label.
+    """
+
+    def __init__(self, ds: ImageTensorDataset, sampler: Sampler, batch_size: int, device) -> None:
+        self.dataset, self.sampler, self.batch_size = ds, sampler, batch_size
+        self.images = ds.images.to(device)
+        self.labels = ds.labels.to(device)
+
+    def __len__(self) -> int:
+        return math.ceil(len(self.sampler) / self.batch_size)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        order = torch.tensor(list(self.sampler), dtype=torch.long)
+        real = (order >= 0).to(self.images.device, non_blocking=True)
+        index = torch.where(order >= 0, order, ~order).to(self.images.device, non_blocking=True)
+        for start in range(0, len(order), self.batch_size):
+            idx = index[start : start + self.batch_size]
+            labels = torch.where(
+                real[start : start + self.batch_size], self.labels[idx], IGNORE_LABEL
+            )
+            yield self.images[idx], labels
+
+
+def default_num_workers(local_world_size: int) -> int:
+    """``data.num_workers=null``: the cores this process may use, shared by the node's ranks,
+    less one for the training process itself; at least 1."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(MAX_AUTO_WORKERS, (cores or 1) // local_world_size - 1))
+
+
+def worker_loader(ds: Dataset, sampler: Sampler, cfg: DataConfig, rt: Runtime) -> DataLoader:
+    """The standard DataLoader: worker processes, pinned memory on CUDA, prefetching.
+
+    Its own generator keeps the DataLoader's base-seed draw off the global RNG, whose state
+    checkpoints carry: with it, a resumed run draws exactly what an uninterrupted one does.
+    """
+    workers = (
+        default_num_workers(rt.local_world_size) if cfg.num_workers is None else cfg.num_workers
+    )
+    return DataLoader(
+        ds,
+        batch_size=cfg.batch_size,
+        sampler=sampler,
+        num_workers=workers,
+        pin_memory=rt.device.type == "cuda",
+        persistent_workers=workers > 0,
+        prefetch_factor=cfg.prefetch_factor if workers > 0 else None,
+        generator=torch.Generator().manual_seed(0),
+    )

@@ -1,0 +1,120 @@
+"""Per-sample transforms in the loader's workers, batched preprocessing on the device.
+
+Streamed sources (image folders, custom sets) are transformed per sample with
+``torchvision.transforms.v2`` on uint8 tensors, the classification references' presets:
+training ``RandomResizedCrop`` + horizontal flip, evaluation ``Resize`` + ``CenterCrop``. The
+random draws of a sample are a function of (seed, epoch, index) alone: each sample runs its
+transform under its own RNG seed, so neither the number of workers, nor the world size, nor
+a mid-epoch resume changes what a sample looks like. Normalisation stays on the device.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+from torchvision.transforms import v2
+
+from ddp_utils.config import DataConfig
+from ddp_utils.data.samplers import IGNORE_LABEL
+
+INTERPOLATIONS = {
+    "nearest": v2.InterpolationMode.NEAREST,
+    "bilinear": v2.InterpolationMode.BILINEAR,
+    "bicubic": v2.InterpolationMode.BICUBIC,
+}
+
+
+def resize_size(cfg: DataConfig) -> int:
+    """``data.resize_size``, by default the references' ratio: image_size / 0.875."""
+    return cfg.resize_size or round(cfg.image_size / 0.875)
+
+
+def eval_transform(cfg: DataConfig) -> v2.Transform:
+    mode = INTERPOLATIONS[cfg.interpolation]
+    return v2.Compose(
+        [v2.Resize(resize_size(cfg), interpolation=mode, antialias=True),
+         v2.CenterCrop(cfg.image_size)]
+    )  # fmt: skip
+
+
+def train_transform(cfg: DataConfig) -> v2.Transform:
+    """The references' training preset; without ``data.augment`` the evaluation one."""
+    if not cfg.augment:
+        return eval_transform(cfg)
+    mode = INTERPOLATIONS[cfg.interpolation]
+    return v2.Compose(
+        [v2.RandomResizedCrop(cfg.image_size, interpolation=mode, antialias=True),
+         v2.RandomHorizontalFlip()]
+    )  # fmt: skip
+
+
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    """A 63-bit seed that depends on (seed, epoch, index) and nothing else."""
+    digest = hashlib.blake2b(f"{seed}:{epoch}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+class SeededTransform(Dataset):
+    """A source of ``(uint8 CHW tensor, label)`` with a per-sample transform applied.
+
+    A key is an index, or ``(epoch, index)`` from ``EpochTagged``; a negative index is a
+    sampler's padding duplicate (its label is ignored). The transform runs under
+    ``fork_rng`` with the sample's own seed, so the caller's RNG streams are left as they were.
+    """
+
+    def __init__(self, source: Dataset, transform: Callable[[Any], Any], seed: int) -> None:
+        self.source, self.transform, self.seed = source, transform, seed
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, key: int | tuple[int, int]) -> tuple[torch.Tensor, int]:
+        epoch, index = key if isinstance(key, tuple) else (0, key)
+        real = index >= 0
+        index = index if real else ~index
+        image, label = self.source[index]
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(sample_seed(self.seed, epoch, index))
+            image = self.transform(image)
+        return image, label if real else IGNORE_LABEL
+
+
+class Preprocess(nn.Module):
+    """uint8 batch on the device -> normalised float; ``augment`` adds the in-memory sets'
+    batched random crop and flip (streamed sets are augmented per sample in the workers)."""
+
+    def __init__(self, cfg: DataConfig, augment: bool, channels_last: bool = False) -> None:
+        super().__init__()
+        self.augment = augment
+        self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
+        mean = torch.tensor(cfg.mean).view(1, -1, 1, 1) * 255.0
+        std = torch.tensor(cfg.std).view(1, -1, 1, 1) * 255.0
+        self.register_buffer("mean", mean, persistent=False)
+        self.register_buffer("inv_std", 1.0 / std, persistent=False)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        x = images.float()
+        if self.augment:
+            x = random_crop_flip(x, padding=4)
+        x = (x - self.mean) * self.inv_std
+        return x.contiguous(memory_format=self.memory_format)
+
+
+def random_crop_flip(x: torch.Tensor, padding: int) -> torch.Tensor:
+    """Per-sample random crop (zero padding) and horizontal flip, for the whole batch at once."""
+    n, _, h, w = x.shape
+    padded = nn.functional.pad(x, (padding,) * 4)
+    oy = torch.randint(0, 2 * padding + 1, (n, 1), device=x.device)
+    ox = torch.randint(0, 2 * padding + 1, (n, 1), device=x.device)
+    rows = (oy + torch.arange(h, device=x.device))[:, None, :, None]
+    cols = (ox + torch.arange(w, device=x.device))[:, None, None, :]
+    batch = torch.arange(n, device=x.device)[:, None, None, None]
+    chan = torch.arange(x.shape[1], device=x.device)[None, :, None, None]
+    out = padded[batch, chan, rows, cols]
+    flip = torch.rand(n, device=x.device) < 0.5
+    return torch.where(flip[:, None, None, None], out.flip(3), out)

@@ -1,0 +1,65 @@
+"""Image folders the tests write themselves: the embedded digits saved as image files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from ddp_utils.config import DataConfig
+from ddp_utils.data.builtin import load_split
+
+
+def write_digits_folder(root: Path, ext: str = "png", limit: int | None = None) -> Path:
+    """``root/train/<digit>/NNNN.ext`` and ``root/val/...``: data=digits' own split as files,
+    so the tensor path and the image-folder path train on the same images."""
+    cfg = DataConfig()
+    for split in ("train", "val"):
+        ds = load_split(cfg, split)
+        n = len(ds) if limit is None else min(limit, len(ds))
+        for i in range(n):
+            folder = root / split / str(int(ds.labels[i]))
+            folder.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(ds.images[i, 0].numpy(), mode="L").save(folder / f"{i:04d}.{ext}")
+    return root
+
+
+def folder_args(root: Path, *extra: str) -> tuple[str, ...]:
+    """Overrides that read the digits folder at its own size with the digits' normalisation."""
+    return (
+        "data=imagefolder", f"data.root={root}", "data.in_channels=1", "data.image_size=8",
+        "data.resize_size=8", "data.num_classes=10", "data.mean=[0.30]", "data.std=[0.38]",
+        "data.batch_size=100", *extra,
+    )  # fmt: skip
+
+
+def tensor_images(root: Path, split: str) -> torch.Tensor:
+    return torch.stack(
+        [torch.from_numpy(__import__("numpy").array(Image.open(p))) for p in
+         sorted((root / split).rglob("*.png"))]
+    )  # fmt: skip
+
+
+class _Digits(torch.utils.data.Dataset):
+    """The digits as a user's data set might hold them: PIL images, or float tensors."""
+
+    def __init__(self, split: str, as_pil: bool, limit: int | None) -> None:
+        ds = load_split(DataConfig(), split)
+        n = len(ds) if limit is None else min(limit, len(ds))
+        self.images, self.labels, self.as_pil = ds.images[:n], ds.labels[:n], as_pil
+        self.classes = [str(i) for i in range(10)]
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int):
+        image = self.images[i, 0]
+        if self.as_pil:
+            return Image.fromarray(image.numpy(), mode="L"), int(self.labels[i])
+        return image.float() / 255.0, int(self.labels[i])  # HW float in [0, 1]
+
+
+def digits_datasets(limit: int | None = None):
+    """A ``data=custom`` target: ``(train, val)`` of the digits, PIL images and float tensors."""
+    return _Digits("train", True, limit), _Digits("val", False, limit)
