@@ -1,0 +1,42 @@
+"""Launched under torchrun by test_one_scan_per_job: builds the data of an image folder on
+every rank and writes, per rank, how often it listed the folder or read the cached index."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from ddp_utils.config import DataConfig, TrainerConfig  # noqa: E402
+from ddp_utils.data import build_data, imagefolder  # noqa: E402
+from ddp_utils.dist import init_distributed, shutdown  # noqa: E402
+
+counts = {"scans": 0, "cache_reads": 0}
+real_scan, real_read = imagefolder.scan, imagefolder.read_cache
+
+
+def counting_scan(*args):
+    counts["scans"] += 1
+    return real_scan(*args)
+
+
+def counting_read(*args):
+    counts["cache_reads"] += 1
+    return real_read(*args)
+
+
+imagefolder.scan, imagefolder.read_cache = counting_scan, counting_read
+
+if __name__ == "__main__":
+    root, out = sys.argv[1], Path(sys.argv[2])
+    rt = init_distributed(TrainerConfig(device="cpu"))
+    cfg = DataConfig(name="imagefolder", root=root, in_channels=1, image_size=8, num_workers=0,
+                     mean=[0.3], std=[0.38])  # fmt: skip
+    data = build_data(cfg, rt, seed=0)
+    out.mkdir(parents=True, exist_ok=True)
+    counts.update(train=data.train_sampler.length, val=len(data.val.dataset))
+    (out / f"rank{rt.rank}.json").write_text(json.dumps(counts))
+    shutdown()

@@ -1,0 +1,183 @@
+"""Image folders and custom data sets streamed through DataLoader workers, with real gloo
+processes: the tensor path's accuracy, exact evaluation, seeded augmentation, exact resume."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import Counter
+
+import pytest
+import torch
+from conftest import ROOT, read_metrics, run_script
+from imagefolders import folder_args, write_digits_folder
+
+# 1,438 training images at batch 50 on 2 ranks: 15 steps an epoch.
+AUG = ("data.augment=true", "trainer.precision=32", "trainer.epochs=2", "data.batch_size=50",
+       "trainer.ckpt_every_steps=5")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return write_digits_folder(tmp_path_factory.mktemp("digits_folder"))
+
+
+@pytest.fixture(scope="module")
+def folder_run(folder, tmp_path_factory):
+    run = tmp_path_factory.mktemp("folder_run")
+    proc = run_script(
+        "train.py", *folder_args(folder, "data.num_workers=2", "data.augment=false"),
+        f"run_dir={run}", nproc=2,
+    )  # fmt: skip
+    return run, proc
+
+
+def params(run, name="last.pt"):
+    return torch.load(run / "checkpoints" / name, weights_only=True)["model"]
+
+
+def assert_same_params(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_folder_trains_like_the_tensor_path_on_the_same_images(folder_run, tmp_path):
+    run, proc = folder_run
+    tensor = tmp_path / "tensor"
+    run_script("train.py", f"run_dir={tensor}", nproc=2)  # data=digits: the same images
+    a, b = read_metrics(run)[-1], read_metrics(tensor)[-1]
+    assert a["val/num_samples"] == 359 == b["val/num_samples"]
+    assert abs(a["val/accuracy"] - b["val/accuracy"]) <= 0.01, (a, b)
+    assert json.loads((run / "classes.json").read_text()) == [str(i) for i in range(10)]
+    ckpt = torch.load(run / "checkpoints" / "last.pt", weights_only=True)
+    assert ckpt["classes"] == [str(i) for i in range(10)]
+
+
+def test_eval_gives_identical_numbers_at_world_size_1_2_3(folder_run, tmp_path):
+    run, _ = folder_run
+    ckpt = run / "checkpoints" / "last.pt"
+    results = {}
+    for n in (1, 2, 3):
+        out = tmp_path / f"eval{n}.json"
+        run_script("eval.py", f"checkpoint={ckpt}", f"output={out}", "data.num_workers=1",
+                   nproc=None if n == 1 else n)  # fmt: skip
+        results[n] = json.loads(out.read_text())
+    for n, r in results.items():
+        assert r["num_samples"] == 359 and r["world_size"] == n
+        assert r["accuracy"] == results[1]["accuracy"]
+        assert r["confusion_matrix"] == results[1]["confusion_matrix"]
+    assert results[1]["accuracy"] == read_metrics(run)[-1]["val/accuracy"]
+
+
+def test_eval_refuses_a_folder_with_other_classes(folder_run, folder, tmp_path):
+    run, _ = folder_run
+    other = tmp_path / "other"
+    shutil.copytree(folder / "val", other / "val")
+    (other / "val" / "9").rename(other / "val" / "nine")
+    proc = run_script("eval.py", f"checkpoint={run}/checkpoints/last.pt", f"data.root={other}",
+                      check=False)  # fmt: skip
+    assert proc.returncode == 2
+    assert "only in the checkpoint: ['9']; only in the folder: ['nine']" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.fixture(scope="module")
+def augmented(folder, tmp_path_factory):
+    """The uninterrupted run with augmentation and 2 workers per rank."""
+    run = tmp_path_factory.mktemp("augmented")
+    run_script("train.py", *folder_args(folder, *AUG, "data.num_workers=2"), f"run_dir={run}",
+               nproc=2)  # fmt: skip
+    return run
+
+
+def test_augmentation_does_not_depend_on_the_number_of_workers(folder, augmented, tmp_path):
+    run_script("train.py", *folder_args(folder, *AUG, "data.num_workers=0"), f"run_dir={tmp_path}",
+               nproc=2)  # fmt: skip
+    assert_same_params(params(tmp_path), params(augmented))
+
+
+def test_sigkilled_rank_restarts_and_matches_the_uninterrupted_run(folder, augmented, tmp_path):
+    proc = run_script(
+        "train.py", *folder_args(folder, *AUG, "data.num_workers=2"), f"run_dir={tmp_path}",
+        nproc=2, launcher=("--max-restarts=1",),
+        env={"DDP_RECIPES_FAULT": "kill:22:1"},  # epoch 1, step 7 of 15; newest ckpt: 20
+    )  # fmt: skip
+    assert "failed (exitcode:" in proc.stderr
+    log = (tmp_path / "train.log").read_text()
+    assert log.count("| world size 2 |") == 2 and "resumed from" in log and "step 20" in log
+    assert_same_params(params(tmp_path), params(augmented))
+
+
+def _seen(folder, epoch, max_step=None):
+    seen = Counter()
+    for path in folder.glob("rank*.jsonl"):
+        for line in path.read_text().splitlines():
+            r = json.loads(line)
+            if r["epoch"] == epoch and (max_step is None or r["step"] <= max_step):
+                seen.update(r["indices"])
+    return seen
+
+
+def test_resume_at_another_world_size_sees_each_remaining_sample_once(folder, tmp_path):
+    args = (*folder_args(folder, *AUG, "data.num_workers=2"), f"run_dir={tmp_path}/run")
+    before, after = tmp_path / "before", tmp_path / "after"
+    before.mkdir(), after.mkdir()
+    proc = run_script("train.py", *args, nproc=2, check=False,
+                      env={"DDP_RECIPES_FAULT": "kill:23:0",
+                           "DDP_RECIPES_RECORD_SAMPLES": str(before)})  # fmt: skip
+    assert proc.returncode != 0
+    ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)
+    assert (ckpt["epoch"], ckpt["step"]) == (1, 20) and 0 < ckpt["sample_offset"] < 1438
+    run_script("train.py", *args, nproc=3, env={"DDP_RECIPES_RECORD_SAMPLES": str(after)})
+    done, rest = _seen(before, 1, max_step=20), _seen(after, 1)
+    assert sum(done.values()) == ckpt["sample_offset"]
+    assert set(done + rest) == set(range(1438)) and set((done + rest).values()) == {1}
+
+
+def test_a_custom_data_set_trains_and_evaluates(tmp_path):
+    args = ("data=custom", "data._target_=imagefolders.digits_datasets", "+data.limit=600",
+            "data.in_channels=1", "data.image_size=8", "data.resize_size=8", "data.mean=[0.3]",
+            "data.std=[0.38]", "trainer.epochs=3", "data.num_workers=1")  # fmt: skip
+    env = {"PYTHONPATH": str(ROOT / "tests")}
+    run_script("train.py", *args, f"run_dir={tmp_path}", nproc=2, env=env)
+    records = read_metrics(tmp_path)
+    assert [r["val/num_samples"] for r in records] == [359] * 3  # val has 359 < 600
+    assert records[-1]["val/accuracy"] > 0.8
+    ckpt = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)
+    assert ckpt["config"]["data"]["kwargs"] == {"limit": 600}
+    out = tmp_path / "eval.json"
+    run_script("eval.py", f"checkpoint={tmp_path}/checkpoints/last.pt", f"output={out}",
+               nproc=2, env=env)  # fmt: skip
+    assert json.loads(out.read_text())["accuracy"] == records[-1]["val/accuracy"]
+
+
+def test_one_scan_per_job(folder, tmp_path):
+    """Global rank 0 lists the folder; the other ranks read its cached index."""
+    fresh = tmp_path / "fresh"
+    shutil.copytree(folder, fresh, ignore=shutil.ignore_patterns(".ddp_recipes_cache"))
+    for job in ("first", "second"):
+        out = tmp_path / job
+        run_script("tests/scan_probe.py", str(fresh), str(out), nproc=3)
+        counts = [json.loads((out / f"rank{r}.json").read_text()) for r in range(3)]
+        expected_scans = 2 if job == "first" else 0  # train and val, then from the cache
+        assert [c["scans"] for c in counts] == [expected_scans, 0, 0], counts
+        assert [c["cache_reads"] for c in counts[1:]] == [2, 2]
+        assert all(c["train"] == 1438 and c["val"] == 359 for c in counts)
+
+
+def test_unreadable_image_stops_with_its_name_or_is_skipped(folder, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(folder, broken, ignore=shutil.ignore_patterns(".ddp_recipes_cache"))
+    bad = sorted((broken / "train" / "3").iterdir())[5]
+    bad.write_bytes(bad.read_bytes()[:40])
+    args = (*folder_args(broken, "data.num_workers=1", "trainer.epochs=2"), f"run_dir={tmp_path}/r")
+    proc = run_script("train.py", *args, check=False)
+    assert proc.returncode == 2
+    assert f"cannot read the image {bad}" in proc.stderr
+    assert "data.skip_bad_images=true" in proc.stderr and "Traceback" not in proc.stderr
+    proc = run_script("train.py", *args, "data.skip_bad_images=true", f"run_dir={tmp_path}/s",
+                      nproc=2)  # fmt: skip
+    assert [r["train/skipped_images"] for r in read_metrics(tmp_path / "s")] == [1, 1]
+    assert [r["val/num_samples"] for r in read_metrics(tmp_path / "s")] == [359, 359]
+    assert f"skipping the unreadable image {bad}" in proc.stdout + proc.stderr
