@@ -7,7 +7,7 @@ NPROC  ?= 2
 ARGS   ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install train test lint format clean bench bench-gpu
+.PHONY: help install train test lint format clean bench bench-gpu bench-data
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -30,6 +30,10 @@ bench: $(STAMP)  ## speed: tutorial loop vs train.py vs raw bound on the CPU (a 
 
 bench-gpu: $(STAMP)  ## the same on a CUDA GPU, plus bf16 and torch.compile
 	$(BIN)/python bench/bench.py --device cuda
+
+bench-data: $(STAMP)  ## input pipeline: image folder of JPEGs, train.py vs the references' loader
+	$(BIN)/python -c "import skimage" 2>/dev/null || $(BIN)/python -m pip install -q -e '.[bench]'
+	$(BIN)/python bench/bench_data.py
 
 lint: $(STAMP)  ## ruff check and format check
 	$(BIN)/ruff check .

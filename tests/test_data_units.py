@@ -1,0 +1,177 @@
+"""The streamed data path in one process: folder layout errors, decoding, seeded transforms."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from conftest import ROOT
+from hydra import compose, initialize_config_dir
+from imagefolders import write_digits_folder
+from PIL import Image
+from torch.utils.data import DataLoader
+
+from ddp_utils.config import ConfigError, DataConfig, register_configs, to_schema
+from ddp_utils.data import build_data, build_eval_data
+from ddp_utils.data.imagefolder import BadImageError, ImageFolderSource, decode, load_index
+from ddp_utils.data.loaders import default_num_workers
+from ddp_utils.data.samplers import EpochTagged, ResumableDistributedSampler
+from ddp_utils.data.transforms import SeededTransform, train_transform
+from ddp_utils.dist import Runtime
+
+RT = Runtime(0, 0, 1, 1, torch.device("cpu"), "gloo")
+register_configs()
+
+
+def folder_cfg(root, **kw) -> DataConfig:
+    base = dict(name="imagefolder", root=str(root), in_channels=1, image_size=8, resize_size=8,
+                mean=[0.3], std=[0.38], num_workers=0)  # fmt: skip
+    return DataConfig(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def small_folder(tmp_path_factory):
+    return write_digits_folder(tmp_path_factory.mktemp("small"), limit=60)
+
+
+@pytest.fixture
+def folder(small_folder, tmp_path):
+    copy = tmp_path / "f"
+    shutil.copytree(small_folder, copy, ignore=shutil.ignore_patterns(".ddp_recipes_cache"))
+    return copy
+
+
+def test_build_data_streams_uint8_batches_with_class_names(folder):
+    data = build_data(folder_cfg(folder, batch_size=16), RT, seed=0)
+    assert data.classes == [str(i) for i in range(10)]
+    images, labels = next(iter(data.train))
+    assert images.dtype == torch.uint8 and images.shape == (16, 1, 8, 8)
+    assert labels.dtype == torch.long and int(labels.min()) >= 0 and int(labels.max()) <= 9
+    assert sum(len(b[1]) for b in data.val) == len(data.val.dataset) == 60
+
+
+def _fail(cfg, match):
+    with pytest.raises(ConfigError, match=match):
+        build_data(cfg, RT, seed=0)
+
+
+def test_layout_mistakes_name_the_path_and_the_fix(folder, tmp_path):
+    _fail(folder_cfg(tmp_path / "nowhere"), r"data.root=.*nowhere does not exist")
+    _fail(folder_cfg(folder, train_dir="training"), r"data.train_dir: the folder .*training")
+    empty = tmp_path / "empty"
+    (empty / "train").mkdir(parents=True)
+    _fail(folder_cfg(empty), r"has no class folders")
+    (folder / "train" / "10").mkdir()
+    (folder / "train" / "10" / "notes.txt").write_text("not an image")
+    _fail(folder_cfg(folder), r"class folder .*train/10 holds no images")
+    shutil.rmtree(folder / "train" / "10")
+    (folder / "val" / "9").rename(folder / "val" / "nine")
+    _fail(folder_cfg(folder), r"only in train/: \['9'\]; only in val/: \['nine'\]")
+    (folder / "val" / "nine").rename(folder / "val" / "9")
+    _fail(folder_cfg(folder, num_classes=5), r"10 class folders but data.num_classes=5")
+
+
+def test_index_is_cached_and_rebuilt_when_a_class_folder_changes(folder):
+    cfg = folder_cfg(folder)
+    first = load_index(cfg, "train", RT)
+    cache = folder / ".ddp_recipes_cache" / "imagefolder-train.pt"
+    assert cache.is_file() and len(first.labels) == 60
+    extra = folder / "train" / "0" / "extra.PNG"  # upper case counts too
+    shutil.copy(next((folder / "train" / "0").iterdir()), extra)
+    again = load_index(cfg, "train", RT)
+    assert len(again.labels) == 61 and "0/extra.PNG" in [again.paths[i] for i in range(61)]
+    assert int(again.sizes.sum()) == sum(p.stat().st_size for p in (folder / "train").rglob("*.*"))
+
+
+@pytest.mark.parametrize("fmt", ["JPEG", "PNG", "BMP", "WEBP"])
+def test_common_formats_decode_as_grey_or_rgb(tmp_path, fmt):
+    rgb = (np.arange(12 * 10 * 3) % 251).astype("uint8").reshape(12, 10, 3)
+    path = tmp_path / f"x.{fmt.lower()}"
+    Image.fromarray(rgb).save(path, fmt)
+    assert decode(str(path), 3).shape == (3, 12, 10)
+    assert decode(str(path), 1).shape == (1, 12, 10)
+
+
+def test_unreadable_image_error_names_the_file_even_from_a_worker(folder):
+    bad = next((folder / "train" / "4").iterdir())
+    bad.write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 10)
+    cfg = folder_cfg(folder)
+    source = ImageFolderSource(load_index(cfg, "train", RT), cfg)
+    i = [source.index.paths[k] for k in range(len(source))].index(f"4/{bad.name}")
+    with pytest.raises(BadImageError, match=f"cannot read the image {bad}"):
+        source[i]
+    loader = DataLoader(source, batch_size=len(source), num_workers=1)
+    with pytest.raises(BadImageError) as e:
+        next(iter(loader))
+    assert str(e.value).startswith(f"cannot read the image {bad}")  # no worker traceback
+    skipping = ImageFolderSource(source.index, folder_cfg(folder, skip_bad_images=True))
+    image, label = skipping[i]
+    assert label == -101 and image.shape == (1, 8, 8)
+
+
+def test_augmentation_is_a_function_of_seed_epoch_and_index():
+    images = torch.arange(64 * 3 * 20 * 20).remainder(256).to(torch.uint8).view(64, 3, 20, 20)
+    source = list(zip(images, range(64), strict=True))
+    cfg = DataConfig(in_channels=3, image_size=12, augment=True, mean=[0.5] * 3, std=[0.5] * 3)
+    ds = SeededTransform(source, train_transform(cfg), seed=7)
+    assert torch.equal(ds[(3, 5)][0], ds[(3, 5)][0])
+    assert ds[(3, 5)][0].shape == (3, 12, 12)
+    draws = {ds[(e, 5)][0].numpy().tobytes() for e in range(6)}
+    assert len(draws) > 1  # other epochs, other crops
+    other_seed = SeededTransform(source, train_transform(cfg), seed=8)
+    assert any(not torch.equal(ds[(0, i)][0], other_seed[(0, i)][0]) for i in range(8))
+    # A padding duplicate is the same sample with its label ignored.
+    assert torch.equal(ds[(3, ~5)][0], ds[(3, 5)][0]) and ds[(3, ~5)][1] == -100
+    # Workers, order and the caller's RNG play no part.
+    sampler = ResumableDistributedSampler(64, 2, 1, seed=1)
+    sampler.set_epoch(3)
+    batches = [
+        torch.cat([b[0] for b in DataLoader(ds, 8, sampler=EpochTagged(sampler), num_workers=w)])
+        for w in (0, 2)
+    ]
+    assert torch.equal(*batches)
+    state = torch.get_rng_state()
+    ds[(0, 0)]
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_auto_workers_share_the_cores_among_local_ranks(monkeypatch):
+    monkeypatch.setattr("os.sched_getaffinity", lambda _: set(range(32)))
+    assert default_num_workers(1) == 16 and default_num_workers(4) == 7
+    assert default_num_workers(8) == 3 and default_num_workers(64) == 1
+
+
+def compose_train(*overrides):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        return compose(config_name="train", overrides=list(overrides))
+
+
+def test_plus_arguments_go_to_a_custom_target_and_are_refused_elsewhere():
+    cfg = to_schema(compose_train("data=custom", "data._target_=m.f", "+data.limit=5"))
+    assert cfg.data.kwargs == {"limit": 5} and cfg.data._target_ == "m.f"
+    with pytest.raises(ConfigError, match="data.limit is not a key of data=digits"):
+        to_schema(compose_train("+data.limit=5"))
+    with pytest.raises(ConfigError, match="data=custom needs data._target_"):
+        to_schema(compose_train("data=custom"))
+    with pytest.raises(ConfigError, match="data.in_channels=2"):
+        to_schema(compose_train("data=imagefolder", "data.in_channels=2", "data.mean=[0,0]",
+                                "data.std=[1,1]"))  # fmt: skip
+
+
+def test_custom_target_errors_are_one_paragraph(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "tests"))
+    base = dict(name="custom", in_channels=1, image_size=8, mean=[0.3], std=[0.38])
+    with pytest.raises(ConfigError, match="data._target_=no.such.fn could not be called"):
+        build_data(DataConfig(**base, _target_="no.such.fn"), RT, seed=0)
+    with pytest.raises(ConfigError, match="could not be called with {'nope': 1}"):
+        build_data(DataConfig(**base, _target_="imagefolders.digits_datasets",
+                              kwargs={"nope": 1}), RT, seed=0)  # fmt: skip
+    loader, _, classes = build_eval_data(
+        DataConfig(**base, _target_="imagefolders.digits_datasets", kwargs={"limit": 20},
+                   resize_size=8, num_workers=0), RT, seed=0,
+    )  # fmt: skip
+    images, labels = next(iter(loader))
+    assert images.dtype == torch.uint8 and images.shape[1:] == (1, 8, 8)
+    assert classes == [str(i) for i in range(10)]
