@@ -8,6 +8,7 @@ import pickle
 import socket
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -79,6 +80,33 @@ def run_script(
             f"\n--- stderr\n{proc.stderr[-6000:]}"
         )
     return proc
+
+
+def params(run_dir: Path, name: str = "last.pt") -> dict:
+    """The model state of a run's checkpoint."""
+    import torch
+
+    return torch.load(run_dir / "checkpoints" / name, weights_only=True)["model"]
+
+
+def assert_same_params(a: dict, b: dict) -> None:
+    import torch
+
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def recorded_samples(folder: Path, epoch: int, max_step: int | None = None) -> Counter:
+    """How often each sample index was trained on in ``epoch`` (up to ``max_step``), from the
+    files the sample recorder wrote into ``folder``."""
+    seen: Counter = Counter()
+    for path in folder.glob("rank*.jsonl"):
+        for line in path.read_text().splitlines():
+            r = json.loads(line)
+            if r["epoch"] == epoch and (max_step is None or r["step"] <= max_step):
+                seen.update(r["indices"])
+    return seen
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

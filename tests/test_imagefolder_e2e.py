@@ -5,11 +5,17 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections import Counter
 
 import pytest
 import torch
-from conftest import ROOT, read_metrics, run_script
+from conftest import (
+    ROOT,
+    assert_same_params,
+    params,
+    read_metrics,
+    recorded_samples,
+    run_script,
+)
 from imagefolders import folder_args, write_digits_folder
 
 # 1,438 training images at batch 50 on 2 ranks: 15 steps an epoch.
@@ -27,25 +33,16 @@ def folder_run(folder, tmp_path_factory):
     run = tmp_path_factory.mktemp("folder_run")
     proc = run_script(
         "train.py", *folder_args(folder, "data.num_workers=2", "data.augment=false"),
-        f"run_dir={run}", nproc=2,
+        "trainer.epochs=6", f"run_dir={run}", nproc=2,
     )  # fmt: skip
     return run, proc
-
-
-def params(run, name="last.pt"):
-    return torch.load(run / "checkpoints" / name, weights_only=True)["model"]
-
-
-def assert_same_params(a, b):
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
 
 
 def test_folder_trains_like_the_tensor_path_on_the_same_images(folder_run, tmp_path):
     run, proc = folder_run
     tensor = tmp_path / "tensor"
-    run_script("train.py", f"run_dir={tensor}", nproc=2)  # data=digits: the same images
+    # data=digits: the same images, as uint8 tensors indexed on the device
+    run_script("train.py", "trainer.epochs=6", f"run_dir={tensor}", nproc=2)
     a, b = read_metrics(run)[-1], read_metrics(tensor)[-1]
     assert a["val/num_samples"] == 359 == b["val/num_samples"]
     assert abs(a["val/accuracy"] - b["val/accuracy"]) <= 0.01, (a, b)
@@ -109,16 +106,6 @@ def test_sigkilled_rank_restarts_and_matches_the_uninterrupted_run(folder, augme
     assert_same_params(params(tmp_path), params(augmented))
 
 
-def _seen(folder, epoch, max_step=None):
-    seen = Counter()
-    for path in folder.glob("rank*.jsonl"):
-        for line in path.read_text().splitlines():
-            r = json.loads(line)
-            if r["epoch"] == epoch and (max_step is None or r["step"] <= max_step):
-                seen.update(r["indices"])
-    return seen
-
-
 def test_resume_at_another_world_size_sees_each_remaining_sample_once(folder, tmp_path):
     args = (*folder_args(folder, *AUG, "data.num_workers=2"), f"run_dir={tmp_path}/run")
     before, after = tmp_path / "before", tmp_path / "after"
@@ -129,8 +116,8 @@ def test_resume_at_another_world_size_sees_each_remaining_sample_once(folder, tm
     assert proc.returncode != 0
     ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)
     assert (ckpt["epoch"], ckpt["step"]) == (1, 20) and 0 < ckpt["sample_offset"] < 1438
-    run_script("train.py", *args, nproc=3, env={"DDP_RECIPES_RECORD_SAMPLES": str(after)})
-    done, rest = _seen(before, 1, max_step=20), _seen(after, 1)
+    run_script("train.py", *args, env={"DDP_RECIPES_RECORD_SAMPLES": str(after)})  # 1 process
+    done, rest = recorded_samples(before, 1, max_step=20), recorded_samples(after, 1)
     assert sum(done.values()) == ckpt["sample_offset"]
     assert set(done + rest) == set(range(1438)) and set((done + rest).values()) == {1}
 
@@ -153,15 +140,14 @@ def test_a_custom_data_set_trains_and_evaluates(tmp_path):
 
 
 def test_one_scan_per_job(folder, tmp_path):
-    """Global rank 0 lists the folder; the other ranks read its cached index."""
+    """Global rank 0 lists the folder; the other ranks read its cached index; a later job
+    (here: the probe's second build) lists nothing."""
     fresh = tmp_path / "fresh"
     shutil.copytree(folder, fresh, ignore=shutil.ignore_patterns(".ddp_recipes_cache"))
-    for job in ("first", "second"):
-        out = tmp_path / job
-        run_script("tests/scan_probe.py", str(fresh), str(out), nproc=3)
-        counts = [json.loads((out / f"rank{r}.json").read_text()) for r in range(3)]
-        expected_scans = 2 if job == "first" else 0  # train and val, then from the cache
-        assert [c["scans"] for c in counts] == [expected_scans, 0, 0], counts
+    run_script("tests/scan_probe.py", str(fresh), str(tmp_path), nproc=3)
+    for build, scans in ((0, [2, 0, 0]), (1, [0, 0, 0])):  # train and val, then the cache
+        counts = [json.loads((tmp_path / f"rank{r}.{build}.json").read_text()) for r in range(3)]
+        assert [c["scans"] for c in counts] == scans, counts
         assert [c["cache_reads"] for c in counts[1:]] == [2, 2]
         assert all(c["train"] == 1438 and c["val"] == 359 for c in counts)
 

@@ -2,30 +2,26 @@
 
 from __future__ import annotations
 
-import json
 import shutil
 import signal
 import time
-from collections import Counter
 
 import pytest
 import torch
-from conftest import read_metrics, run_script, start_script, write_malicious_checkpoint
+from conftest import (
+    assert_same_params,
+    params,
+    read_metrics,
+    recorded_samples,
+    run_script,
+    start_script,
+    write_malicious_checkpoint,
+)
 
 from ddp_utils.preemption import PREEMPTED_EXIT
 
 # Small batches give enough steps (72 per epoch at 2 processes) to interrupt mid-epoch.
 RUN = ("trainer.epochs=2", "data.batch_size=10", "trainer.ckpt_every_steps=10")
-
-
-def params(run_dir, name="last.pt"):
-    return torch.load(run_dir / "checkpoints" / name, weights_only=True)["model"]
-
-
-def assert_same_params(a, b):
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
 
 
 @pytest.fixture(scope="module")
@@ -99,16 +95,6 @@ def test_torn_newest_checkpoint_resumes_from_the_previous_one(reference, tmp_pat
     assert [r["step"] for r in read_metrics(run)] == [72, 148, 292]
 
 
-def _epoch_records(folder, epoch, max_step=None):
-    seen = Counter()
-    for path in folder.glob("rank*.jsonl"):
-        for line in path.read_text().splitlines():
-            r = json.loads(line)
-            if r["epoch"] == epoch and (max_step is None or r["step"] <= max_step):
-                seen.update(r["indices"])
-    return seen
-
-
 @pytest.mark.parametrize("new_world_size", [1, 3])
 def test_resume_at_another_world_size_sees_each_sample_once(tmp_path_factory, new_world_size):
     base = tmp_path_factory.getbasetemp() / "reshard_base"
@@ -126,8 +112,8 @@ def test_resume_at_another_world_size_sees_each_sample_once(tmp_path_factory, ne
     nproc = None if new_world_size == 1 else new_world_size
     run_script("train.py", *RUN, f"run_dir={run}", nproc=nproc,
                env={"DDP_RECIPES_RECORD_SAMPLES": str(rec)})  # fmt: skip
-    before = _epoch_records(base, epoch=1, max_step=ckpt["step"])
-    after = _epoch_records(rec, epoch=1)
+    before = recorded_samples(base, epoch=1, max_step=ckpt["step"])
+    after = recorded_samples(rec, epoch=1)
     seen = before + after
     assert sum(before.values()) == ckpt["sample_offset"]
     assert set(seen) == set(range(1438)) and set(seen.values()) == {1}
