@@ -12,12 +12,11 @@ import hydra
 from omegaconf import DictConfig
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from ddp_utils.config import register_configs
 from ddp_utils.dist import shutdown
-from ddp_utils.entry import clean_exit
+from ddp_utils.entry import clean_exit, register
 from ddp_utils.evaluation import run_eval
 
-register_configs()
+register()
 
 
 @hydra.main(version_base=None, config_path="conf", config_name="eval")

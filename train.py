@@ -16,13 +16,13 @@ import hydra
 from omegaconf import DictConfig
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from ddp_utils.config import register_configs, to_schema
+from ddp_utils.config import to_schema
 from ddp_utils.dist import init_distributed, shutdown
-from ddp_utils.entry import clean_exit
+from ddp_utils.entry import clean_exit, register
 from ddp_utils.sweep import in_sweep, sweep_job_dir
-from ddp_utils.trainer import fit
+from ddp_utils.train.loop import fit
 
-register_configs()
+register()
 
 
 @hydra.main(version_base=None, config_path="conf", config_name="train")

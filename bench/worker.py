@@ -26,11 +26,13 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ddp_utils.config import register_configs, to_schema  # noqa: E402
+from ddp_utils.config import to_schema  # noqa: E402
 from ddp_utils.data import load_split  # noqa: E402
 from ddp_utils.dist import init_distributed  # noqa: E402
-from ddp_utils.models import ConvNet  # noqa: E402
-from ddp_utils.trainer import build_training, train_one_epoch  # noqa: E402
+from ddp_utils.entry import register  # noqa: E402
+from ddp_utils.models.nets import ConvNet  # noqa: E402
+from ddp_utils.train.loop import train_one_epoch  # noqa: E402
+from ddp_utils.train.state import build_training, resolve_auto  # noqa: E402
 
 
 class PILDigits(Dataset):
@@ -99,7 +101,7 @@ def tutorial_loop(cfg, rt, ds):
 
 def train_py_loop(cfg, rt, run_dir, opened: list):
     """train.py's own epoch loop with its defaults."""
-    tr = build_training(cfg, rt, run_dir)
+    tr = build_training(resolve_auto(cfg, rt), rt, run_dir)
     opened.append(tr)
 
     def run():
@@ -140,7 +142,7 @@ def main() -> None:
     p.add_argument("--variants", nargs="*", default=[])  # name=override,override for train.py
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
-    register_configs()
+    register()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         cfg = to_schema(compose(config_name="train", overrides=args.overrides))
     rt = init_distributed(cfg.trainer)

@@ -14,11 +14,11 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-MODELS = ("convnet", "mlp", "resnet18")
 DATASETS = ("digits", "mnist", "fashion_mnist", "cifar10", "synthetic", "imagefolder", "custom")
 OPTIMIZERS = ("sgd", "adamw")
 SCHEDULERS = ("none", "cosine", "step", "onecycle")
-PRECISIONS = ("32", "bf16", "fp16")
+PRECISIONS = ("auto", "32", "bf16", "fp16")
+AUTO_AUGMENTS = ("ta_wide", "ra", "augmix")
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "nccl", "gloo")
 SPLITS = ("train", "val")
@@ -41,10 +41,16 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    name: str = "convnet"
+    # What builds the model (a class or function, built with hydra.utils.instantiate); it is
+    # given num_classes, in_channels and image_size, and the keys below, where it takes them.
+    _target_: str = "ddp_utils.models.nets.ConvNet"
+    name: str = "convnet"  # the option's name: convnet | mlp | resnet18 | torchvision | ...
+    arch: str | None = None  # torchvision / timm: the model's name in that zoo
     channels: list[int] = field(default_factory=lambda: [16, 32])  # convnet blocks
     hidden: int = 256  # mlp
     batch_norm: bool = True  # convnet; off gives a model whose DDP math is BN-free
+    weights: str | None = None  # a local state dict to start from
+    kwargs: dict[str, Any] = field(default_factory=dict)  # custom: +model.NAME=VALUE
 
 
 @dataclass
@@ -78,6 +84,17 @@ class DataConfig:
     skip_bad_images: bool = False  # imagefolder: skip unreadable files with a warning
     _target_: str | None = None  # custom: a callable returning (train, val) data sets
     kwargs: dict[str, Any] = field(default_factory=dict)  # custom: +data.NAME=VALUE
+    # Recipe options of the classification references (auto_augment and random_erase: the
+    # streamed path; mixup and cutmix: any path, on the device batch)
+    auto_augment: str | None = None  # ta_wide | ra | augmix
+    random_erase: float = 0.0  # probability
+    mixup_alpha: float = 0.0
+    cutmix_alpha: float = 0.0
+    train_crop_size: int | None = None  # streamed training crop; null = image_size
+    # Which held-out slice is the validation set: digits, the val_fraction slice number k of
+    # a split_seed permutation; mnist-like sets, null = the official test set, k = slice k (of
+    # the test set's size) of the pooled train + test images, the rest being the training set
+    val_slice: int | None = None
     num_train: int = 8000  # synthetic
     num_val: int = 2000  # synthetic
 
@@ -89,6 +106,8 @@ class OptimConfig:
     momentum: float = 0.9
     nesterov: bool = False
     weight_decay: float = 0.0
+    norm_weight_decay: float | None = None  # normalisation layers; null = weight_decay
+    bias_weight_decay: float | None = None  # biases; null = weight_decay
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
 
 
@@ -96,6 +115,7 @@ class OptimConfig:
 class SchedConfig:
     name: str = "none"
     warmup_steps: int = 0  # linear warmup from warmup_start_factor * lr
+    warmup_epochs: int = 0  # the same in epochs (one of the two)
     warmup_start_factor: float = 0.1
     min_lr: float = 0.0  # cosine
     step_epochs: int = 10  # step: decay every this many epochs
@@ -107,7 +127,7 @@ class SchedConfig:
 class TrainerConfig:
     epochs: int = 10
     max_steps: int | None = None  # optimizer steps; null = no cap
-    precision: str = "32"
+    precision: str = "auto"  # auto: bf16 where the hardware computes it natively, else 32
     sync_bn: bool = False
     grad_accum_steps: int = 1
     grad_clip: float | None = None  # max global grad norm; null = off
@@ -123,6 +143,10 @@ class TrainerConfig:
     progress: str = "auto"  # auto (a bar when stderr is a terminal) | true | false
     ckpt_every_steps: int | None = None  # step checkpoints; null = only at epoch ends
     keep_last: int = 2  # newest step checkpoints kept (best.pt and last.pt besides)
+    label_smoothing: float = 0.0
+    ema_decay: float | None = None  # EMA of the weights (references' adjustment); null = off
+    ema_every_steps: int = 32
+    save_best_ema: bool = False  # also keep best_ema.pt, by val_ema/accuracy
 
 
 @dataclass
@@ -136,29 +160,23 @@ class TrainConfig:
     run_dir: str | None = None  # null = outputs/<date>_<torchrun run id>
     resume: str = "auto"  # auto | never | PATH of a checkpoint
     logger: str = "tensorboard"  # tensorboard (run_dir/tb) | none
+    # Optional behaviour hung on the loop: a list of {_target_: pkg.Class, ARG: VALUE}
+    callbacks: list[Any] = field(default_factory=list)
 
 
 @dataclass
 class EvalConfig(TrainConfig):
     checkpoint: str = "???"
     output: str | None = None  # null = <run dir of the checkpoint>/eval.json
+    ema: bool = False  # score the checkpoint's EMA weights (model_ema)
 
 
 def register_configs() -> None:
-    from ddp_utils.sweep import register_sweep_configs  # imports Hydra's plugin API
-
-    register_sweep_configs()
+    """The schemas of train.yaml and eval.yaml (their first defaults). The groups are typed
+    through them, so no group gets a schema option of its own to show in ``--help``."""
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainConfig)
     cs.store(name="eval_schema", node=EvalConfig)
-    for group, node in (
-        ("model", ModelConfig),
-        ("data", DataConfig),
-        ("optim", OptimConfig),
-        ("sched", SchedConfig),
-        ("trainer", TrainerConfig),
-    ):
-        cs.store(group=group, name=f"{group}_schema", node=node)
 
 
 def _choice(key: str, value: str, options: tuple[str, ...]) -> None:
@@ -177,7 +195,6 @@ def _positive(key: str, value: float | int | None, *, allow_zero: bool = False) 
 def validate(cfg: TrainConfig) -> TrainConfig:
     """Check value ranges the schema's types cannot express; raise ConfigError naming the key."""
     m, d, o, s, t = cfg.model, cfg.data, cfg.optim, cfg.sched, cfg.trainer
-    _choice("model.name", m.name, MODELS)
     _choice("data.name", d.name, DATASETS)
     _choice("data.split", d.split, SPLITS)
     _choice("data.loader", d.loader, LOADERS)
@@ -185,6 +202,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _choice("optim.name", o.name, OPTIMIZERS)
     _choice("sched.name", s.name, SCHEDULERS)
     _choice("trainer.precision", t.precision, PRECISIONS)
+    if d.auto_augment is not None:
+        _choice("data.auto_augment", d.auto_augment, AUTO_AUGMENTS)
     _choice("trainer.device", t.device, DEVICES)
     _choice("trainer.backend", t.backend, BACKENDS)
     _choice("logger", cfg.logger, LOGGERS)
@@ -210,6 +229,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         ("trainer.keep_last", t.keep_last),
         ("trainer.bucket_cap_mb", t.bucket_cap_mb),
         ("sched.step_epochs", s.step_epochs),
+        ("trainer.ema_every_steps", t.ema_every_steps),
+        ("data.train_crop_size", d.train_crop_size),
     ):
         _positive(key, value)
     for key, value in (
@@ -219,8 +240,28 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         ("optim.momentum", o.momentum),
         ("sched.warmup_steps", s.warmup_steps),
         ("sched.min_lr", s.min_lr),
+        ("sched.warmup_epochs", s.warmup_epochs),
+        ("optim.norm_weight_decay", o.norm_weight_decay),
+        ("optim.bias_weight_decay", o.bias_weight_decay),
+        ("data.mixup_alpha", d.mixup_alpha),
+        ("data.cutmix_alpha", d.cutmix_alpha),
+        ("data.val_slice", d.val_slice),
     ):
         _positive(key, value, allow_zero=True)
+    for key, value in (
+        ("data.random_erase", d.random_erase),
+        ("trainer.label_smoothing", t.label_smoothing),
+    ):
+        if not 0.0 <= value < 1.0:
+            raise ConfigError(f"{key}={value} must lie in [0, 1).")
+    if t.ema_decay is not None and not 0.0 < t.ema_decay < 1.0:
+        raise ConfigError(
+            f"trainer.ema_decay={t.ema_decay} must lie in (0, 1); null turns EMA off."
+        )
+    if s.warmup_steps and s.warmup_epochs:
+        raise ConfigError(
+            "sched.warmup_steps and sched.warmup_epochs are both set: keep one, set the other to 0."
+        )
     validate_streamed(d)
     if not 0.0 < d.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction={d.val_fraction} must lie strictly between 0 and 1.")
@@ -229,15 +270,23 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             f"data.mean and data.std need one value per channel (data.in_channels="
             f"{d.in_channels}); got {len(d.mean)} and {len(d.std)}."
         )
+    if m.name == "custom" and m._target_ == ModelConfig._target_:
+        raise ConfigError(
+            "model=custom needs model._target_=pkg.module.Class (a torch.nn.Module, or a "
+            "function returning one); pass its arguments as +model.NAME=VALUE."
+        )
+    if m.name in ("torchvision", "timm") and not m.arch:
+        raise ConfigError(f"model={m.name} needs model.arch=NAME (a model name of {m.name}).")
     if m.name == "convnet" and d.image_size < 4:
         raise ConfigError(
             f"model=convnet pools twice: data.image_size={d.image_size} must be >= 4."
         )
     if not m.channels or any(c < 1 for c in m.channels):
         raise ConfigError(f"model.channels={m.channels} needs positive channel counts.")
-    if s.name == "onecycle" and s.warmup_steps:
+    if s.name == "onecycle" and (s.warmup_steps or s.warmup_epochs):
         raise ConfigError(
-            "sched=onecycle warms up by itself (sched.pct_start): set sched.warmup_steps=0."
+            "sched=onecycle warms up by itself (sched.pct_start): set sched.warmup_steps=0 and "
+            "sched.warmup_epochs=0."
         )
     if not 0.0 < s.warmup_start_factor <= 1.0:
         raise ConfigError("sched.warmup_start_factor must lie in (0, 1].")
@@ -263,23 +312,25 @@ def validate_streamed(d: DataConfig) -> None:
 
 
 def collect_target_kwargs(cfg: DictConfig) -> None:
-    """Move keys a ``+data.NAME=VALUE`` override added to ``data=custom`` into ``data.kwargs``;
-    on any other data set such a key is a mistake."""
-    data = cfg.get("data")
-    if data is None:
-        return
-    extra = [k for k in data if k not in DataConfig.__dataclass_fields__]
-    if not extra:
-        return
-    if data.get("name") != "custom":
-        raise ConfigError(
-            f"data.{extra[0]} is not a key of data={data.get('name')}; check its spelling "
-            "(python train.py --cfg job lists the keys). +data.NAME=VALUE arguments are for "
-            "data=custom."
-        )
-    with open_dict(data):
-        for key in extra:
-            data.kwargs[key] = data.pop(key)
+    """Move keys that ``+data.NAME=VALUE`` / ``+model.NAME=VALUE`` added to ``data=custom`` or
+    ``model=custom`` into their ``kwargs`` (the target's arguments); on any other option such
+    a key is a mistake."""
+    for group, schema in (("data", DataConfig), ("model", ModelConfig)):
+        node = cfg.get(group)
+        if node is None:
+            continue
+        extra = [k for k in node if k not in schema.__dataclass_fields__]
+        if not extra:
+            continue
+        if node.get("name") != "custom":
+            raise ConfigError(
+                f"{group}.{extra[0]} is not a key of {group}={node.get('name')}; check its "
+                "spelling (python train.py --cfg job lists the keys). +"
+                f"{group}.NAME=VALUE arguments are for {group}=custom."
+            )
+        with open_dict(node):
+            for key in extra:
+                node.kwargs[key] = node.pop(key)
 
 
 def to_schema(cfg: DictConfig, schema: type = TrainConfig) -> Any:

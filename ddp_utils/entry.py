@@ -1,4 +1,4 @@
-"""What the entry scripts share: a clean exit on users' mistakes."""
+"""What the entry scripts share: Hydra registration, a clean exit on users' mistakes."""
 
 from __future__ import annotations
 
@@ -7,13 +7,20 @@ import sys
 import time
 from collections.abc import Iterator
 
-from ddp_utils.config import ConfigError
+from ddp_utils.config import ConfigError, register_configs
 from ddp_utils.dist import read_launch_env
 from ddp_utils.preemption import PREEMPTED_EXIT, Preempted
-from ddp_utils.sweep import in_sweep
+from ddp_utils.sweep import in_sweep, register_sweep_configs
 
 USER_ERROR_EXIT = 2
 NON_MAIN_EXIT_DELAY_S = 2.0
+
+
+def register() -> None:
+    """What Hydra needs before it composes train.yaml or eval.yaml: the schemas and the
+    sweep resolvers."""
+    register_configs()
+    register_sweep_configs()
 
 
 @contextlib.contextmanager

@@ -10,17 +10,18 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 
-from ddp_utils.checkpoint import atomic_write, load_checkpoint, load_model_state
 from ddp_utils.config import ConfigError, DataConfig, TrainConfig, to_schema
 from ddp_utils.data import build_eval_data
 from ddp_utils.data.imagefolder import class_difference
 from ddp_utils.dist import Runtime, init_distributed
+from ddp_utils.files import atomic_write
 from ddp_utils.metrics import evaluate
 from ddp_utils.models import build_model
 from ddp_utils.run import log, setup_logging
-from ddp_utils.trainer import amp_context
+from ddp_utils.train.checkpoint import load_checkpoint, load_model_state
+from ddp_utils.train.precision import amp_context, resolve_precision
 
-EVAL_ONLY_KEYS = ("checkpoint", "output")
+EVAL_ONLY_KEYS = ("checkpoint", "output", "ema")
 
 
 def command_line_keys() -> list[str]:
@@ -66,7 +67,7 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
     model = build_model(train_cfg.model, train_cfg.data)
     load_model_state(
         model,
-        ckpt["model"],
+        model_weights(ckpt, checkpoint, cfg.ema),
         f"checkpoint={checkpoint}",
         f"It was trained as {describe(ckpt['config'])}; this run asks for "
         f"{describe(OmegaConf.to_container(OmegaConf.structured(train_cfg)))}. Drop the "
@@ -77,18 +78,27 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
     data = train_cfg.data
     loader, preprocess, classes = build_eval_data(data, rt, train_cfg.seed)
     check_classes(ckpt.get("classes"), classes, checkpoint, data)
+    precision = resolve_precision(train_cfg.trainer.precision, rt.device)
     result = evaluate(
-        model.to(rt.device),
-        loader,
-        preprocess,
-        rt,
-        data.num_classes,
-        amp_context(train_cfg.trainer.precision, rt.device),
-    )
-    result.update(world_size=rt.world_size, checkpoint=str(checkpoint))
+        model.to(rt.device), loader, preprocess, rt, data.num_classes,
+        amp_context(precision, rt.device),
+    )  # fmt: skip
+    result.update(world_size=rt.world_size, checkpoint=str(checkpoint), ema=cfg.ema)
     output = Path(cfg.output) if cfg.output else default_output(checkpoint)
     write_report(result, output, f"{data.name}/{data.split}", rt)
     return result
+
+
+def model_weights(ckpt: dict[str, Any], checkpoint: Path, ema: bool) -> dict[str, Any]:
+    """The checkpoint's model weights, or with ``ema=true`` its EMA weights."""
+    if not ema:
+        return ckpt["model"]
+    if "model_ema" not in ckpt:
+        raise ConfigError(
+            f"ema=true but checkpoint={checkpoint} holds no EMA weights: train with "
+            "trainer.ema_decay=0.9999 (for example), or drop ema=true."
+        )
+    return ckpt["model_ema"]["model"]
 
 
 def check_classes(

@@ -1,4 +1,4 @@
-"""Optimizers and per-step learning-rate schedules."""
+"""Optimizers (with the references' weight-decay groups) and per-step learning-rate schedules."""
 
 from __future__ import annotations
 
@@ -10,38 +10,65 @@ from torch.optim.lr_scheduler import LambdaLR, LRScheduler, OneCycleLR
 
 from ddp_utils.config import OptimConfig, SchedConfig
 
+NORM_LAYERS = (
+    nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm,
+    nn.modules.instancenorm._InstanceNorm, nn.LocalResponseNorm,
+)  # fmt: skip
+
+
+def param_groups(cfg: OptimConfig, model: nn.Module) -> list[dict]:
+    """One group per weight decay: normalisation layers' parameters take
+    ``optim.norm_weight_decay``, biases ``optim.bias_weight_decay`` (each null = the same as
+    ``optim.weight_decay``), every other parameter ``optim.weight_decay``."""
+    norm_wd = cfg.weight_decay if cfg.norm_weight_decay is None else cfg.norm_weight_decay
+    bias_wd = cfg.weight_decay if cfg.bias_weight_decay is None else cfg.bias_weight_decay
+    groups: dict[float, list[nn.Parameter]] = {}
+    seen: set[int] = set()  # a shared parameter is optimised once
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            if not p.requires_grad or id(p) in seen:
+                continue
+            seen.add(id(p))
+            if isinstance(module, NORM_LAYERS):
+                wd = norm_wd
+            elif name == "bias":
+                wd = bias_wd
+            else:
+                wd = cfg.weight_decay
+            groups.setdefault(wd, []).append(p)
+    return [{"params": params, "weight_decay": wd} for wd, params in groups.items()]
+
 
 def build_optimizer(cfg: OptimConfig, model: nn.Module) -> torch.optim.Optimizer:
-    params = [p for p in model.parameters() if p.requires_grad]
+    groups = param_groups(cfg, model)
     # Fused kernels on CUDA (one launch for all parameters), multi-tensor foreach elsewhere.
-    on_cuda = bool(params) and params[0].is_cuda
+    on_cuda = any(p.is_cuda for g in groups for p in g["params"])
     impl = {"fused": True} if on_cuda else {"foreach": True}
     if cfg.name == "sgd":
         return torch.optim.SGD(
-            params,
-            lr=cfg.lr,
-            momentum=cfg.momentum,
-            nesterov=cfg.nesterov,
-            weight_decay=cfg.weight_decay,
-            **impl,
+            groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, **impl
         )
     if cfg.name == "adamw":
-        return torch.optim.AdamW(
-            params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay, **impl
-        )
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), **impl)
     raise AssertionError(f"unvalidated optimizer {cfg.name}")
+
+
+def warmup_steps(cfg: SchedConfig, steps_per_epoch: int) -> int:
+    """``sched.warmup_steps``, or ``sched.warmup_epochs`` in optimizer steps."""
+    return cfg.warmup_steps or cfg.warmup_epochs * steps_per_epoch
 
 
 def lr_factor(
     cfg: SchedConfig, step: int, total_steps: int, steps_per_epoch: int, base_lr: float
 ) -> float:
     """Multiplier of the base lr after ``step`` optimizer steps (warmup, then the schedule)."""
-    if step < cfg.warmup_steps:
-        frac = step / cfg.warmup_steps
+    warmup = warmup_steps(cfg, steps_per_epoch)
+    if step < warmup:
+        frac = step / warmup
         return cfg.warmup_start_factor + (1.0 - cfg.warmup_start_factor) * frac
     if cfg.name == "cosine":
         floor = cfg.min_lr / base_lr
-        progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
         return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
     if cfg.name == "step":
         return cfg.gamma ** (step // (cfg.step_epochs * steps_per_epoch))

@@ -109,6 +109,19 @@ def recorded_samples(folder: Path, epoch: int, max_step: int | None = None) -> C
     return seen
 
 
+def compose_config(*overrides: str, name: str = "train"):
+    """The typed config train.py (or eval.py) would get from these overrides."""
+    from hydra import compose, initialize_config_dir
+
+    from ddp_utils.config import EvalConfig, TrainConfig, to_schema
+    from ddp_utils.entry import register
+
+    register()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        cfg = compose(config_name=name, overrides=list(overrides))
+    return to_schema(cfg, EvalConfig if name == "eval" else TrainConfig)
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

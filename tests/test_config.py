@@ -8,9 +8,10 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError, ValidationError
 
-from ddp_utils.config import ConfigError, EvalConfig, TrainConfig, register_configs, to_schema
+from ddp_utils.config import ConfigError, EvalConfig, TrainConfig, to_schema
+from ddp_utils.entry import register
 
-register_configs()
+register()
 GROUPS = ("model", "data", "optim", "sched", "trainer", "experiment")
 
 
@@ -27,7 +28,10 @@ def compose_train(*overrides: str, name: str = "train"):
     "group,option", [(g, o) for g in GROUPS for o in options(g)], ids=lambda v: str(v)
 )
 def test_every_option_composes_and_validates(group, option):
-    required = {"custom": ["data._target_=imagefolders.digits_datasets"]}.get(option, [])
+    required = {
+        ("data", "custom"): ["data._target_=imagefolders.digits_datasets"],
+        ("model", "custom"): ["model._target_=ddp_utils.models.nets.MLP"],
+    }.get((group, option), [])
     cfg = to_schema(compose_train(f"{group}={option}", *required))
     assert isinstance(cfg, TrainConfig)
     if group in ("model", "data", "optim", "sched"):

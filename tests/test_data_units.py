@@ -13,16 +13,17 @@ from imagefolders import write_digits_folder
 from PIL import Image
 from torch.utils.data import DataLoader
 
-from ddp_utils.config import ConfigError, DataConfig, register_configs, to_schema
+from ddp_utils.config import ConfigError, DataConfig, to_schema
 from ddp_utils.data import build_data, build_eval_data
 from ddp_utils.data.imagefolder import BadImageError, ImageFolderSource, decode, load_index
 from ddp_utils.data.loaders import default_num_workers
 from ddp_utils.data.samplers import EpochTagged, ResumableDistributedSampler
 from ddp_utils.data.transforms import SeededTransform, train_transform
 from ddp_utils.dist import Runtime
+from ddp_utils.entry import register
 
 RT = Runtime(0, 0, 1, 1, torch.device("cpu"), "gloo")
-register_configs()
+register()
 
 
 def folder_cfg(root, **kw) -> DataConfig:

@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 import torch
+from callbacks import both, fault, recorder
 from conftest import (
     ROOT,
     assert_same_params,
@@ -97,8 +98,8 @@ def test_augmentation_does_not_depend_on_the_number_of_workers(folder, augmented
 def test_sigkilled_rank_restarts_and_matches_the_uninterrupted_run(folder, augmented, tmp_path):
     proc = run_script(
         "train.py", *folder_args(folder, *AUG, "data.num_workers=2"), f"run_dir={tmp_path}",
+        fault("kill", 22, 1),  # epoch 1, step 7 of 15; newest ckpt: 20
         nproc=2, launcher=("--max-restarts=1",),
-        env={"DDP_RECIPES_FAULT": "kill:22:1"},  # epoch 1, step 7 of 15; newest ckpt: 20
     )  # fmt: skip
     assert "failed (exitcode:" in proc.stderr
     log = (tmp_path / "train.log").read_text()
@@ -110,13 +111,11 @@ def test_resume_at_another_world_size_sees_each_remaining_sample_once(folder, tm
     args = (*folder_args(folder, *AUG, "data.num_workers=2"), f"run_dir={tmp_path}/run")
     before, after = tmp_path / "before", tmp_path / "after"
     before.mkdir(), after.mkdir()
-    proc = run_script("train.py", *args, nproc=2, check=False,
-                      env={"DDP_RECIPES_FAULT": "kill:23:0",
-                           "DDP_RECIPES_RECORD_SAMPLES": str(before)})  # fmt: skip
+    proc = run_script("train.py", *args, both("kill", 23, 0, before), nproc=2, check=False)
     assert proc.returncode != 0
     ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)
     assert (ckpt["epoch"], ckpt["step"]) == (1, 20) and 0 < ckpt["sample_offset"] < 1438
-    run_script("train.py", *args, env={"DDP_RECIPES_RECORD_SAMPLES": str(after)})  # 1 process
+    run_script("train.py", *args, recorder(after))  # 1 process
     done, rest = recorded_samples(before, 1, max_step=20), recorded_samples(after, 1)
     assert sum(done.values()) == ckpt["sample_offset"]
     assert set(done + rest) == set(range(1438)) and set((done + rest).values()) == {1}

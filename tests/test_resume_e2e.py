@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+from callbacks import both, fault, recorder
 from conftest import (
     assert_same_params,
     params,
@@ -34,8 +35,8 @@ def reference(tmp_path_factory):
 
 def test_sigkill_mid_epoch_then_elastic_restart_matches_uninterrupted(reference, tmp_path):
     proc = run_script(
-        "train.py", *RUN, f"run_dir={tmp_path}", nproc=2, launcher=("--max-restarts=1",),
-        env={"DDP_RECIPES_FAULT": "kill:97:1"},  # epoch 1, step 25 of 72; newest ckpt: 90
+        "train.py", *RUN, f"run_dir={tmp_path}", fault("kill", 97, 1),  # newest ckpt: 90
+        nproc=2, launcher=("--max-restarts=1",),  # the kill: epoch 1, step 25 of 72
     )  # fmt: skip
     # The worker really died and torchrun restarted the group: two starts, the second resumed.
     # (Which exit code torchrun reports first, the killed rank's -9 or its peer's, is a race.)
@@ -100,8 +101,8 @@ def test_resume_at_another_world_size_sees_each_sample_once(tmp_path_factory, ne
     base = tmp_path_factory.getbasetemp() / "reshard_base"
     if not base.exists():  # one interrupted run serves both parametrisations
         proc = run_script(
-            "train.py", *RUN, f"run_dir={base}/run", nproc=2, check=False,
-            env={"DDP_RECIPES_FAULT": "kill:95:0", "DDP_RECIPES_RECORD_SAMPLES": str(base)},
+            "train.py", *RUN, f"run_dir={base}/run", both("kill", 95, 0, base), nproc=2,
+            check=False,
         )  # fmt: skip
         assert proc.returncode != 0
     ckpt = torch.load(base / "run" / "checkpoints" / "last.pt", weights_only=True)
@@ -110,8 +111,7 @@ def test_resume_at_another_world_size_sees_each_sample_once(tmp_path_factory, ne
     shutil.copytree(base / "run", run)
     rec.mkdir()
     nproc = None if new_world_size == 1 else new_world_size
-    run_script("train.py", *RUN, f"run_dir={run}", nproc=nproc,
-               env={"DDP_RECIPES_RECORD_SAMPLES": str(rec)})  # fmt: skip
+    run_script("train.py", *RUN, f"run_dir={run}", recorder(rec), nproc=nproc)
     before = recorded_samples(base, epoch=1, max_step=ckpt["step"])
     after = recorded_samples(rec, epoch=1)
     seen = before + after
@@ -143,8 +143,7 @@ def test_a_stalled_rank_ends_the_job_within_the_timeout(tmp_path):
     start = time.time()
     proc = run_script(
         "train.py", *RUN, f"run_dir={tmp_path}/run", f"trainer.timeout_s={timeout_s}",
-        nproc=2, check=False,
-        env={"DDP_RECIPES_FAULT": "stall:15:1", "DDP_RECIPES_FAULT_MARK": str(mark)},
+        fault("stall", 15, 1, mark=str(mark)), nproc=2, check=False,
     )  # fmt: skip
     ended = time.time()
     assert proc.returncode != 0

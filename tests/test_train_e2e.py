@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
-from conftest import MNIST_ROOT, needs_mnist, read_metrics, run_script
+from conftest import MNIST_ROOT, compose_config, needs_mnist, read_metrics, run_script
 
-from ddp_utils.config import DataConfig, ModelConfig
+from ddp_utils.config import DataConfig
 from ddp_utils.models import build_model
 
 
@@ -38,13 +38,14 @@ def _params(path):
 
 
 def test_two_ranks_at_batch_b_equal_one_rank_at_batch_2b(tmp_path):
-    common = ["model=mlp", "trainer.max_steps=12", "trainer.epochs=1", "optim.lr=0.05"]
+    common = ["model=mlp", "trainer.max_steps=12", "trainer.epochs=1", "optim.lr=0.05",
+              "trainer.precision=32"]  # fmt: skip
     run_script("train.py", *common, "data.batch_size=16", f"run_dir={tmp_path}/ddp", nproc=2)
     run_script("train.py", *common, "data.batch_size=32", f"run_dir={tmp_path}/single")
     a = _params(tmp_path / "ddp" / "checkpoints" / "last.pt")
     b = _params(tmp_path / "single" / "checkpoints" / "last.pt")
     torch.manual_seed(0)  # train.py's weights come from `seed` (0) on every rank
-    initial = build_model(ModelConfig(name="mlp"), DataConfig()).state_dict()
+    initial = build_model(compose_config("model=mlp").model, DataConfig()).state_dict()
     assert a.keys() == b.keys()
     for k in a:
         rel = (a[k] - b[k]).norm() / b[k].norm()

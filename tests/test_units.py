@@ -7,6 +7,7 @@ from unittest import mock
 
 import pytest
 import torch
+from conftest import compose_config
 from torch.utils.data import DistributedSampler
 
 from ddp_utils.config import ConfigError, DataConfig, ModelConfig, SchedConfig, TrainerConfig
@@ -126,7 +127,7 @@ def test_warmup_then_schedule(name):
 def test_models_fit_the_declared_data(name, shape):
     c, s, k = shape
     data = DataConfig(in_channels=c, image_size=s, num_classes=k, mean=[0.5] * c, std=[0.5] * c)
-    model = build_model(ModelConfig(name=name), data)
+    model = build_model(compose_config(f"model={name}").model, data)
     assert model(torch.randn(2, c, s, s)).shape == (2, k)
 
 

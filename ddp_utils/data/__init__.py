@@ -86,6 +86,13 @@ def build_data(cfg: DataConfig, rt: Runtime, seed: int, channels_last: bool = Fa
         val = worker_loader(val_ds, EvalShardSampler(len(val_ds), rt.world_size, rt.rank), cfg, rt)
         augment_on_device = False  # done per sample in the workers
     else:
+        if cfg.auto_augment or cfg.random_erase or cfg.train_crop_size:
+            raise ConfigError(
+                f"data.auto_augment, data.random_erase and data.train_crop_size transform each "
+                f"sample in the loader's workers: data={cfg.name} is held in memory and "
+                "augmented on the device (data.augment). Use them with data=imagefolder or "
+                "data=custom."
+            )
         with local_main_first(rt):
             train_ds, val_ds = load_split(cfg, "train"), load_split(cfg, "val")
         sampler = ResumableDistributedSampler(len(train_ds), rt.world_size, rt.rank, seed=seed)

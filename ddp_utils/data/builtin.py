@@ -43,10 +43,29 @@ def _digits(cfg: DataConfig, split: str) -> tuple[torch.Tensor, torch.Tensor]:
     # 17 grey levels (0..16) spread over the uint8 range.
     images = torch.from_numpy(bunch.images * (255.0 / 16.0)).round().to(torch.uint8)
     labels = torch.from_numpy(bunch.target).long()
+    images, labels = holdout(images.unsqueeze(1), labels, cfg, split,
+                             n_val=round(len(labels) * cfg.val_fraction))  # fmt: skip
+    return images.contiguous(), labels
+
+
+def holdout(
+    images: torch.Tensor, labels: torch.Tensor, cfg: DataConfig, split: str, n_val: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slice ``data.val_slice`` (0 when null) of ``n_val`` samples of a ``data.split_seed``
+    permutation is the validation set, the rest the training set: disjoint validation slices
+    for measuring a recipe on data it was not tuned on."""
+    k = cfg.val_slice or 0
+    if (k + 1) * n_val > len(labels):
+        raise ConfigError(
+            f"data.val_slice={k}: data={cfg.name} has {len(labels)} samples, room for "
+            f"{len(labels) // n_val} validation slices of {n_val} (0 to "
+            f"{len(labels) // n_val - 1})."
+        )
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(cfg.split_seed))
-    n_val = round(len(labels) * cfg.val_fraction)
-    idx = order[:n_val] if split == "val" else order[n_val:]
-    return images[idx].unsqueeze(1).contiguous(), labels[idx]
+    val = torch.zeros(len(labels), dtype=torch.bool)
+    val[order[k * n_val : (k + 1) * n_val]] = True
+    idx = order[val[order]] if split == "val" else order[~val[order]]
+    return images[idx], labels[idx]
 
 
 def _synthetic(cfg: DataConfig, split: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,6 +112,16 @@ def _decode_torchvision(cfg: DataConfig, split: str) -> tuple[torch.Tensor, torc
 
 
 def _torchvision(cfg: DataConfig, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The official split, or with ``data.val_slice`` a slice of the pooled train + test
+    images as the validation set (of the test set's size) and the rest as the training set."""
+    if cfg.val_slice is None:
+        return _decoded(cfg, split)
+    train, test = _decoded(cfg, "train"), _decoded(cfg, "val")
+    images, labels = torch.cat([train[0], test[0]]), torch.cat([train[1], test[1]])
+    return holdout(images, labels, cfg, split, n_val=len(test[1]))
+
+
+def _decoded(cfg: DataConfig, split: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode once into uint8 tensors, cached on disk and reused while the source is unchanged."""
     source = _source_dir(cfg)
     if not source.is_dir():

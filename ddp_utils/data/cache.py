@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ddp_utils.checkpoint import atomic_save
+from ddp_utils.files import atomic_save
 
 
 def cache_path(root: str | Path, name: str) -> Path:

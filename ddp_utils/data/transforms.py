@@ -42,15 +42,32 @@ def eval_transform(cfg: DataConfig) -> v2.Transform:
     )  # fmt: skip
 
 
-def train_transform(cfg: DataConfig) -> v2.Transform:
-    """The references' training preset; without ``data.augment`` the evaluation one."""
-    if not cfg.augment:
-        return eval_transform(cfg)
+def auto_augment(cfg: DataConfig) -> list[v2.Transform]:
     mode = INTERPOLATIONS[cfg.interpolation]
-    return v2.Compose(
-        [v2.RandomResizedCrop(cfg.image_size, interpolation=mode, antialias=True),
-         v2.RandomHorizontalFlip()]
-    )  # fmt: skip
+    if cfg.auto_augment == "ta_wide":
+        return [v2.TrivialAugmentWide(interpolation=mode)]
+    if cfg.auto_augment == "ra":
+        return [v2.RandAugment(interpolation=mode)]
+    if cfg.auto_augment == "augmix":
+        return [v2.AugMix(interpolation=mode)]
+    return []
+
+
+def train_transform(cfg: DataConfig) -> v2.Transform:
+    """The references' training preset: ``RandomResizedCrop(train_crop_size)`` + flip
+    (without ``data.augment``, the evaluation preset), then ``data.auto_augment`` and
+    ``data.random_erase``, all on uint8 tensors."""
+    mode = INTERPOLATIONS[cfg.interpolation]
+    if cfg.augment:
+        crop = cfg.train_crop_size or cfg.image_size
+        steps = [v2.RandomResizedCrop(crop, interpolation=mode, antialias=True),
+                 v2.RandomHorizontalFlip()]  # fmt: skip
+    else:
+        steps = [eval_transform(cfg)]
+    steps += auto_augment(cfg)
+    if cfg.random_erase > 0:
+        steps.append(v2.RandomErasing(p=cfg.random_erase))
+    return v2.Compose(steps)
 
 
 def sample_seed(seed: int, epoch: int, index: int) -> int:

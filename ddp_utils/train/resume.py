@@ -3,28 +3,26 @@
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from ddp_utils.checkpoint import (
+from ddp_utils.config import ConfigError, TrainConfig
+from ddp_utils.data.imagefolder import class_difference
+from ddp_utils.dist import Runtime, all_reduce_sum, broadcast_object
+from ddp_utils.run import log
+from ddp_utils.train.checkpoint import (
     load_checkpoint,
     newest_loadable,
     save_training_checkpoint,
     step_checkpoints,
 )
-from ddp_utils.config import ConfigError, TrainConfig
-from ddp_utils.data.imagefolder import class_difference
-from ddp_utils.dist import Runtime, all_reduce_sum, broadcast_object
-from ddp_utils.run import log
+from ddp_utils.train.rng import capture_rng, restore_rng, seed_everything
 
 if TYPE_CHECKING:
-    from ddp_utils.trainer import Training
+    from ddp_utils.train.state import Training
 
 # Keys whose change makes a checkpoint belong to another experiment: the model, the data set,
 # and the seed (it decides every epoch's sample order, which a mid-epoch resume continues).
@@ -32,35 +30,8 @@ IDENTITY_KEYS = (
     "model.",
     "data.name", "data.in_channels", "data.image_size", "data.num_classes", "data.mean",
     "data.std", "data.val_fraction", "data.split_seed", "data.num_train", "data.num_val",
-    "data._target_", "data.kwargs", "seed",
+    "data._target_", "data.kwargs", "data.val_slice", "seed",
 )  # fmt: skip
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-def capture_rng(device: torch.device) -> dict[str, Any]:
-    np_state = np.random.get_state()
-    return {
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
-        "python": random.getstate(),
-        # Plain ints: weights_only loading accepts no numpy arrays.
-        "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
-    }
-
-
-def restore_rng(state: dict[str, Any], device: torch.device) -> None:
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None and device.type == "cuda":
-        torch.cuda.set_rng_state(state["cuda"], device)
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    kind, keys, *rest = state["numpy"]
-    np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
 
 
 def checkpoint_state(tr: Training) -> dict[str, Any]:
@@ -83,17 +54,21 @@ def checkpoint_state(tr: Training) -> dict[str, Any]:
         "sampler": {"seed": tr.cfg.seed, "epoch": tr.epoch, "start": tr.sample_offset},
         "rng": rng,
         "best_accuracy": tr.best_accuracy,
+        "best_ema_accuracy": tr.best_ema_accuracy,
+        **({"model_ema": tr.ema.state_dict()} if tr.ema else {}),
         "world_size": tr.rt.world_size,
         "classes": tr.data.classes,
         "config": OmegaConf.to_container(OmegaConf.structured(tr.cfg), resolve=True),
     }
 
 
-def save(tr: Training, is_best: bool = False) -> None:
-    """Checkpoint from every rank's state; the main rank writes, everyone waits for it."""
+def save(tr: Training, also: tuple[str, ...] = ()) -> None:
+    """Checkpoint from every rank's state; the main rank writes it (and publishes it as each
+    name in ``also``, such as best.pt), everyone waits for it."""
     state = checkpoint_state(tr)
     ckpt_dir = tr.run_dir / "checkpoints"
-    save_training_checkpoint(state, ckpt_dir, is_best, tr.cfg.trainer.keep_last, tr.rt)
+    path = save_training_checkpoint(state, ckpt_dir, also, tr.cfg.trainer.keep_last, tr.rt)
+    tr.callbacks.on_checkpoint(tr, path)
 
 
 def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -189,6 +164,9 @@ def restore(tr: Training, ckpt: dict[str, Any]) -> None:
     tr.scaler.load_state_dict(ckpt["scaler"])
     tr.epoch, tr.step = ckpt["epoch"], ckpt["step"]
     tr.sample_offset, tr.best_accuracy = ckpt["sample_offset"], ckpt["best_accuracy"]
+    tr.best_ema_accuracy = ckpt.get("best_ema_accuracy", -1.0)
+    if tr.ema is not None and "model_ema" in ckpt:
+        tr.ema.load_state_dict(ckpt["model_ema"])
     # The epoch's running loss continues from the saved global totals, held by one rank.
     tr.epoch_totals.zero_()
     if tr.rt.is_main:

@@ -1,4 +1,4 @@
-"""Checkpoints: atomic writes from the main rank, and safe (weights-only) loading."""
+"""Checkpoints: written atomically by the main rank, loaded safely (weights only)."""
 
 from __future__ import annotations
 
@@ -6,42 +6,20 @@ import os
 import pickle
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 from torch import nn
 
 from ddp_utils.config import ConfigError
 from ddp_utils.dist import Runtime, barrier
-
-
-def atomic_write(path: Path, write: Callable[[BinaryIO], Any]) -> None:
-    """Write to a temporary file in the same folder, fsync it, then rename over ``path``.
-
-    A reader (or a restart) sees either the old file or the complete new one, never a torn one.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
-def atomic_save(obj: Any, path: Path) -> None:
-    atomic_write(path, lambda f: torch.save(obj, f))
+from ddp_utils.files import atomic_save, atomic_write
 
 
 def publish(src: Path, dst: Path) -> None:
     """Make ``dst`` name the same complete file as ``src``, atomically (a hard link, or a copy
     where the filesystem has none)."""
-    tmp = dst.with_name(f".{dst.name}.tmp")
+    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")  # unique per writer
     tmp.unlink(missing_ok=True)
     try:
         os.link(src, tmp)
@@ -56,16 +34,16 @@ def step_checkpoints(ckpt_dir: Path) -> list[Path]:
 
 
 def save_training_checkpoint(
-    state: dict[str, Any], ckpt_dir: Path, is_best: bool, keep_last: int, rt: Runtime
+    state: dict[str, Any], ckpt_dir: Path, also: tuple[str, ...], keep_last: int, rt: Runtime
 ) -> Path:
-    """Main rank: write ``step_<N>.pt``, point ``last.pt`` (and ``best.pt``) at it, drop all but
-    the newest ``keep_last`` step files. Every rank waits until that is done."""
+    """Main rank: write ``step_<N>.pt``, point ``last.pt`` (and each name in ``also``, such as
+    ``best.pt``) at it, drop all but the newest ``keep_last`` step files. Every rank waits
+    until that is done."""
     path = ckpt_dir / f"step_{state['step']:08d}.pt"
     if rt.is_main:
         atomic_save(state, path)
-        publish(path, ckpt_dir / "last.pt")
-        if is_best:
-            publish(path, ckpt_dir / "best.pt")
+        for name in ("last.pt", *also):
+            publish(path, ckpt_dir / name)
         for old in step_checkpoints(ckpt_dir)[:-keep_last]:
             old.unlink()
     barrier()

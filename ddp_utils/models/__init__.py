@@ -1,0 +1,117 @@
+"""Models: any ``_target_`` built with Hydra's ``instantiate``, sized from the data config.
+
+``model._target_`` names a class or function. The builder passes ``num_classes``,
+``in_channels`` and ``image_size`` from the data config, and the built-in options' keys
+(``arch``, ``channels``, ``hidden``, ``batch_norm``), to a target whose signature takes them;
+``+model.NAME=VALUE`` arguments (``model=custom``) always go to the target, which checks them.
+``model.weights=PATH`` then loads a local state dict.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from hydra.errors import InstantiationException
+from hydra.utils import get_object, instantiate
+from torch import nn
+
+from ddp_utils.config import ConfigError, DataConfig, ModelConfig
+from ddp_utils.run import log
+
+BUILTIN_KEYS = ("arch", "channels", "hidden", "batch_norm")
+
+
+def _why(e: BaseException) -> str:
+    cause = e.__cause__ or e
+    text = str(cause).strip().splitlines()
+    return f"{type(cause).__name__}: {text[-1][:300] if text else ''}"
+
+
+def target_arguments(cfg: ModelConfig, data: DataConfig) -> dict[str, Any]:
+    """What the target is called with (also stored in checkpoints through the config)."""
+    try:
+        target = get_object(cfg._target_)
+    except Exception as e:
+        raise ConfigError(
+            f"model._target_={cfg._target_} cannot be imported ({_why(e)}). Check the dotted "
+            "path, and that its package is importable where you launch (PYTHONPATH)."
+        ) from None
+    offered: dict[str, Any] = {
+        "num_classes": data.num_classes, "in_channels": data.in_channels,
+        "image_size": data.image_size,
+    }  # fmt: skip
+    if cfg.name != "custom":
+        offered |= {k: getattr(cfg, k) for k in BUILTIN_KEYS}
+    params = inspect.signature(target).parameters
+    return {k: v for k, v in offered.items() if k in params} | dict(cfg.kwargs)
+
+
+def build_model(cfg: ModelConfig, data: DataConfig) -> nn.Module:
+    """Instantiate ``model._target_`` for the data, then load ``model.weights`` if given."""
+    args = target_arguments(cfg, data)
+    try:
+        model = instantiate({"_target_": cfg._target_, "_convert_": "all", **args})
+    except InstantiationException as e:
+        if isinstance(e.__cause__, ConfigError):
+            raise e.__cause__ from None
+        raise ConfigError(
+            f"model._target_={cfg._target_} rejected its arguments {sorted(args)} ({_why(e)}). "
+            "Fix the +model.NAME=VALUE overrides to match its signature."
+        ) from None
+    if not isinstance(model, nn.Module):
+        raise ConfigError(
+            f"model._target_={cfg._target_} returned {type(model).__name__}, not a torch.nn.Module."
+        )
+    if cfg.weights:
+        load_weights(model, cfg.weights)
+    return model
+
+
+def classifier_keys(model: nn.Module) -> set[str]:
+    """The state-dict keys of the last Linear layer: the classification head."""
+    linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    if not linears:
+        return set()
+    return {f"{linears[-1]}.{p}" for p, _ in model.get_submodule(linears[-1]).named_parameters()}
+
+
+def load_weights(model: nn.Module, path: str) -> None:
+    """Start from a local state dict (a bare one, or a train.py checkpoint's ``model``); a head
+    sized for another class count is left re-initialised, and the log says so."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise ConfigError(f"model.weights={path}: no such file.") from None
+    except Exception as e:
+        raise ConfigError(
+            f"model.weights={path} does not load with weights_only=True ({_why(e)}); give a "
+            "state dict saved with torch.save(model.state_dict(), path)."
+        ) from None
+    if isinstance(state, dict) and isinstance(state.get("model"), dict):
+        state = state["model"]
+    own = model.state_dict()
+    misfit = {k for k, v in state.items() if k in own and own[k].shape != v.shape}
+    head = classifier_keys(model)
+    if misfit - head:
+        raise ConfigError(
+            f"model.weights={path} does not fit model._target_ (shapes differ at "
+            f"{sorted(misfit - head)[:4]}); give the weights of this architecture."
+        )
+    state = {k: v for k, v in state.items() if k not in misfit}
+    result = model.load_state_dict(state, strict=False)
+    missing = set(result.missing_keys) - misfit
+    if missing or result.unexpected_keys:
+        raise ConfigError(
+            f"model.weights={path} does not match the model: missing {sorted(missing)[:4]}, "
+            f"unexpected {sorted(result.unexpected_keys)[:4]}; give the weights of this "
+            "architecture."
+        )
+    log.info("model.weights=%s loaded", path)
+    if misfit:
+        log.info(
+            "model.weights: the classifier head (%s) has another class count there; it is "
+            "re-initialised for %d classes", ", ".join(sorted(misfit)),
+            model.get_submodule(next(iter(misfit)).rpartition(".")[0]).out_features,
+        )  # fmt: skip

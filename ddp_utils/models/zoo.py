@@ -1,0 +1,70 @@
+"""Model zoos as targets: any classification model of torchvision, or of timm when installed."""
+
+from __future__ import annotations
+
+import difflib
+
+import torchvision
+from torch import nn
+
+from ddp_utils.config import ConfigError
+
+SMALL_IMAGE = 64  # at or below this size, resnets get the CIFAR stem
+
+
+def _unknown(arch: str, names: list[str], zoo: str) -> ConfigError:
+    close = difflib.get_close_matches(arch, names, n=5, cutoff=0.5)
+    hint = f"close matches: {', '.join(close)}" if close else f"{len(names)} names exist"
+    return ConfigError(
+        f"model.arch={arch} is not a classification model of {zoo} ({hint}); pick one of "
+        f"{zoo}'s names."
+    )
+
+
+def first_conv(model: nn.Module) -> tuple[nn.Module, str, nn.Conv2d]:
+    """The first Conv2d of ``model``, with its parent module and attribute name."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Conv2d):
+            parent_name, _, attr = name.rpartition(".")
+            return model.get_submodule(parent_name), attr, module
+    raise ConfigError(f"{type(model).__name__} has no Conv2d to adapt to data.in_channels")
+
+
+def adapt_stem(model: nn.Module, in_channels: int, image_size: int) -> nn.Module:
+    """Small images: the CIFAR stem for resnets (3x3 stride 1, no max-pool), which keep most of
+    a 32x32 image; other channel counts than 3: the first convolution takes them."""
+    is_resnet = hasattr(model, "conv1") and hasattr(model, "maxpool")
+    if is_resnet and image_size <= SMALL_IMAGE:
+        out = model.conv1.out_channels
+        model.conv1 = nn.Conv2d(in_channels, out, kernel_size=3, stride=1, padding=1, bias=False)
+        model.maxpool = nn.Identity()
+    elif in_channels != 3:
+        parent, attr, conv = first_conv(model)
+        setattr(parent, attr, nn.Conv2d(
+            in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
+            conv.dilation, conv.groups, conv.bias is not None, conv.padding_mode,
+        ))  # fmt: skip
+    return model
+
+
+def torchvision_model(arch: str, num_classes: int, in_channels: int, image_size: int) -> nn.Module:
+    """``torchvision.models.get_model(arch, weights=None, num_classes=...)``, stem adapted."""
+    names = torchvision.models.list_models(module=torchvision.models)
+    if arch not in names:
+        raise _unknown(arch, names, "torchvision.models")
+    model = torchvision.models.get_model(arch, weights=None, num_classes=num_classes)
+    return adapt_stem(model, in_channels, image_size)
+
+
+def timm_model(arch: str, num_classes: int, in_channels: int) -> nn.Module:
+    """``timm.create_model(arch, pretrained=False, ...)`` (the optional extra ``[timm]``)."""
+    try:
+        import timm
+    except ImportError:
+        raise ConfigError(
+            "model=timm needs timm: pip install -e '.[timm]' (make install does it)."
+        ) from None
+    names = timm.list_models()
+    if arch not in names:
+        raise _unknown(arch, names, "timm")
+    return timm.create_model(arch, pretrained=False, num_classes=num_classes, in_chans=in_channels)

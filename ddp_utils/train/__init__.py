@@ -1,0 +1,1 @@
+"""Training: the state of a run, the loop, checkpoints and resume, the loss, callbacks."""

@@ -1,0 +1,229 @@
+"""The training loop: train one epoch, step, validate, checkpoint, and ``fit`` around them."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from ddp_utils.config import TrainConfig
+from ddp_utils.data import BAD_LABEL, IGNORE_LABEL
+from ddp_utils.dist import Runtime, all_reduce_sum
+from ddp_utils.metrics import evaluate
+from ddp_utils.preemption import PREEMPTED_EXIT, Preempted
+from ddp_utils.run import (
+    append_metrics,
+    log,
+    resolve_run_dir,
+    seconds_since_process_start,
+    setup_logging,
+    write_classes,
+    write_config,
+)
+from ddp_utils.tracking import peak_memory_mb, write_environment
+from ddp_utils.train.resume import resume, save
+from ddp_utils.train.state import (
+    Training,
+    build_training,
+    check_runtime,
+    global_batch,
+    resolve_auto,
+)
+
+# The per-epoch values of metrics.jsonl that also go to TensorBoard.
+TRACKED = (
+    "train/loss", "lr", "samples_per_s", "val/accuracy", "val/loss", "val/f1_macro",
+    "val_ema/accuracy", "val_ema/loss",
+)  # fmt: skip
+
+
+def optimizer_step(tr: Training) -> None:
+    if tr.cfg.trainer.grad_clip is not None:
+        tr.scaler.unscale_(tr.optimizer)
+        nn.utils.clip_grad_norm_(tr.raw_model.parameters(), tr.cfg.trainer.grad_clip)
+    tr.scaler.step(tr.optimizer)
+    tr.scaler.update()
+    tr.optimizer.zero_grad(set_to_none=True)
+    tr.scheduler.step()
+    tr.step += 1
+    if tr.ema is not None:
+        tr.ema.update(tr.raw_model, tr.step, in_warmup=tr.step <= tr.warmup_steps)
+
+
+def train_step(tr: Training, images: torch.Tensor, labels: torch.Tensor, scale: float) -> None:
+    """Forward, loss, backward of one micro-batch; the loss is summed into ``epoch_totals``."""
+    images = tr.data.preprocess_train(images.to(tr.rt.device, non_blocking=True))
+    labels = labels.to(tr.rt.device, non_blocking=True)
+    if tr.cfg.data.skip_bad_images:  # an unreadable image, skipped: counted apart, ignored
+        tr.epoch_totals[2] += (labels == BAD_LABEL).sum()
+        labels = torch.where(labels == BAD_LABEL, IGNORE_LABEL, labels)
+    # Padding duplicates carry an ignored label: the mean is over real samples only.
+    n_real = (labels != IGNORE_LABEL).sum()
+    images, targets = tr.criterion.mix(images, labels)
+    with tr.amp():
+        logits = tr.model(images)
+    loss_sum = tr.criterion.loss_sum(logits, targets)
+    tr.scaler.scale(loss_sum / n_real.clamp(min=1) * scale).backward()
+    tr.epoch_totals[0] += loss_sum.detach()
+    tr.epoch_totals[1] += n_real
+
+
+def train_one_epoch(tr: Training) -> dict[str, float]:
+    """Train the rest of the current epoch on this rank's shard (all of it unless resumed).
+
+    Returns the epoch's loss averaged over every rank's samples. Raises ``Preempted`` after
+    checkpointing when a stop signal arrives.
+    """
+    loader, accum, sampler = tr.data.train, tr.cfg.trainer.grad_accum_steps, tr.data.train_sampler
+    sampler.set_epoch(tr.epoch, tr.sample_offset)
+    tr.callbacks.on_epoch_start(tr)
+    tr.model.train()
+    n_batches, start = len(loader), time.perf_counter()
+    tr.progress.start_epoch(tr.epoch, tr.step, math.ceil(n_batches / accum))
+    for i, (images, labels) in enumerate(loader):
+        group_start = i - i % accum
+        group_len = min(accum, n_batches - group_start)
+        last_micro = i == group_start + group_len - 1
+        # Only the last micro-batch of a group all-reduces its gradients.
+        with contextlib.nullcontext() if last_micro else tr.model.no_sync():
+            train_step(tr, images, labels, scale=1.0 / group_len)
+        if last_micro:
+            optimizer_step(tr)
+            tr.sample_offset = sampler.consumed(i + 1, tr.cfg.data.batch_size)
+            after_step(tr, end_of_epoch=i + 1 == n_batches)
+            if reached_max_steps(tr):
+                break
+    tr.watchdog.disarm()
+    tr.progress.end_epoch()
+    totals = all_reduce_sum(tr.epoch_totals.clone()).tolist()
+    elapsed = time.perf_counter() - start
+    stats = {"train/loss": totals[0] / max(totals[1], 1), "samples_per_s": totals[1] / elapsed}
+    if tr.cfg.data.skip_bad_images:
+        stats["train/skipped_images"] = int(totals[2])
+    return stats
+
+
+def after_step(tr: Training, end_of_epoch: bool) -> None:
+    """Step-boundary duties: callbacks, a requested stop, step checkpoints, the log line."""
+    tr.watchdog.beat()
+    if tr.step == tr.first_step:
+        log.info("first training step done %.2f s after the process started",
+                 seconds_since_process_start() or float("nan"))  # fmt: skip
+    tr.callbacks.on_step_end(tr)
+    if tr.stop.poll():
+        save(tr)
+        stopped = Preempted(tr.step, tr.stop.signum)
+        log.warning("%s: checkpoint written, exiting with code %d", stopped, PREEMPTED_EXIT)
+        raise stopped
+    every = tr.cfg.trainer.ckpt_every_steps
+    if every and tr.step % every == 0 and not end_of_epoch:
+        save(tr)
+    tr.progress.update(tr.step)
+    if tr.step % tr.cfg.trainer.log_every_steps == 0 and tr.rt.is_main:
+        # This rank's running loss: one host sync per log point, none per step.
+        loss_sum, count = tr.epoch_totals[:2].tolist()
+        loss, lr = loss_sum / max(count, 1), current_lr(tr)
+        tr.progress.report(tr.step, loss, lr)
+        tr.tracker.scalars({"train/loss_running": loss, "lr": lr}, tr.step)
+
+
+def current_lr(tr: Training) -> float:
+    return tr.optimizer.param_groups[0]["lr"]
+
+
+def reached_max_steps(tr: Training) -> bool:
+    return tr.cfg.trainer.max_steps is not None and tr.step >= tr.cfg.trainer.max_steps
+
+
+def validate(tr: Training, model: nn.Module, prefix: str) -> dict[str, Any]:
+    """``prefix/accuracy``, ``prefix/loss``, ... of ``model`` on the validation set."""
+    d = tr.cfg.data
+    val = evaluate(model, tr.data.val, tr.data.preprocess_eval, tr.rt, d.num_classes, tr.amp)
+    keys = ["accuracy", "loss", "f1_macro", "num_samples"]
+    keys += ["skipped_images"] if d.skip_bad_images else []
+    return {f"{prefix}/{k}": val[k] for k in keys}
+
+
+def validate_and_save(tr: Training, train_stats: dict[str, float]) -> dict[str, Any]:
+    """Score the epoch on every rank (and the EMA weights), log it, then checkpoint the start
+    of the next epoch."""
+    record = {
+        "epoch": tr.epoch, "step": tr.step, "world_size": tr.rt.world_size, "lr": current_lr(tr),
+        **train_stats, **validate(tr, tr.raw_model, "val"),
+    }  # fmt: skip
+    if tr.ema is not None:
+        record |= validate(tr, tr.ema.module, "val_ema")
+    append_metrics(tr.run_dir, record, tr.rt)
+    scalars = {key: record[key] for key in TRACKED if key in record}
+    tr.tracker.scalars(scalars | {"peak_memory_mb": peak_memory_mb(tr.rt.device)}, tr.step)
+    ema = f" | val_ema/accuracy {record['val_ema/accuracy']:.4f}" if tr.ema else ""
+    log.info(
+        "epoch %d | step %d | train/loss %.4f | val/loss %.4f | val/accuracy %.4f (%d samples)"
+        "%s | %.0f samples/s",
+        tr.epoch, tr.step, record["train/loss"], record["val/loss"], record["val/accuracy"],
+        record["val/num_samples"], ema, record["samples_per_s"],
+    )  # fmt: skip
+    also = []
+    if record["val/accuracy"] > tr.best_accuracy:
+        tr.best_accuracy = record["val/accuracy"]
+        also.append("best.pt")
+    if tr.ema is not None and record["val_ema/accuracy"] > tr.best_ema_accuracy:
+        tr.best_ema_accuracy = record["val_ema/accuracy"]
+        also += ["best_ema.pt"] if tr.cfg.trainer.save_best_ema else []
+    tr.epoch, tr.sample_offset = tr.epoch + 1, 0
+    tr.epoch_totals.zero_()
+    save(tr, also=tuple(also))
+    tr.callbacks.on_epoch_end(tr, record)
+    return record
+
+
+def fit(cfg: TrainConfig, rt: Runtime, default_run_dir: str | None = None) -> float:
+    """Train for ``trainer.epochs`` (or ``trainer.max_steps``); return the last val accuracy.
+
+    Resumes from ``run_dir``'s newest checkpoint (``resume=auto``) or ``resume=PATH``.
+    ``default_run_dir`` (a sweep job's folder) applies when ``run_dir`` is null.
+    """
+    check_runtime(cfg.trainer, rt)
+    cfg = resolve_auto(cfg, rt)
+    run_dir = resolve_run_dir(cfg.run_dir or default_run_dir, rt)
+    setup_logging(run_dir, rt, "train")
+    tr = build_training(cfg, rt, run_dir)
+    try:
+        record = train_epochs(tr)
+    except BaseException:
+        tr.close(drain=False)  # a rank may be gone: do not wait on it again
+        raise
+    tr.close()
+    if rt.is_main and (run_dir / "metrics.jsonl").exists():
+        from ddp_utils.plot import plot_runs  # matplotlib: imported only when drawing
+
+        plot_runs([run_dir], run_dir / "curves.png")
+    return float(record.get("val/accuracy", float("nan")))
+
+
+def train_epochs(tr: Training) -> dict[str, Any]:
+    """Resume if there is a checkpoint, then train the remaining epochs; the last record."""
+    cfg, rt, t = tr.cfg, tr.rt, tr.cfg.trainer
+    resume(tr)
+    tr.first_step = tr.step + 1
+    write_config(tr.run_dir, cfg, rt)
+    write_environment(tr.run_dir, rt)
+    write_classes(tr.run_dir, tr.data.classes, rt)
+    log.info(
+        "run_dir %s | world size %d | device %s | backend %s | precision %s | global batch %d "
+        "(%d per process x %d processes x %d accumulation steps) | %d steps",
+        tr.run_dir, rt.world_size, rt.device, rt.backend, t.precision, global_batch(cfg, rt),
+        cfg.data.batch_size, rt.world_size, t.grad_accum_steps, tr.total_steps,
+    )  # fmt: skip
+    if tr.epoch >= t.epochs or reached_max_steps(tr):
+        log.info("nothing to train: the run already did %d epochs, %d steps", tr.epoch, tr.step)
+    tr.callbacks.on_train_start(tr)
+    record: dict[str, Any] = {}
+    while tr.epoch < t.epochs and not reached_max_steps(tr):
+        record = validate_and_save(tr, train_one_epoch(tr))
+    tr.callbacks.on_train_end(tr)
+    return record

@@ -1,0 +1,157 @@
+"""The state of one training run (``Training``) and how every rank builds it."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ddp_utils.config import ConfigError, TrainConfig, TrainerConfig
+from ddp_utils.data import DataBundle, build_data
+from ddp_utils.dist import Runtime
+from ddp_utils.models import build_model
+from ddp_utils.models.ema import EMA, ema_decay
+from ddp_utils.optim import build_optimizer, build_scheduler, warmup_steps
+from ddp_utils.preemption import StopRequest
+from ddp_utils.progress import Progress
+from ddp_utils.tracking import Tracker
+from ddp_utils.train.callbacks import CallbackList, build_callbacks
+from ddp_utils.train.loss import Criterion, build_mixing
+from ddp_utils.train.precision import amp_context, resolve_precision
+from ddp_utils.train.rng import seed_everything
+from ddp_utils.watchdog import StepWatchdog
+
+
+def check_runtime(cfg: TrainerConfig, rt: Runtime) -> None:
+    """Refuse what this device cannot do before anything is written."""
+    if cfg.sync_bn and rt.device.type != "cuda":
+        raise ConfigError(
+            "trainer.sync_bn=true needs CUDA: DDP refuses SyncBatchNorm on CPU modules. "
+            "Set trainer.sync_bn=false on CPU (or use a model without BatchNorm)."
+        )
+
+
+def resolve_auto(cfg: TrainConfig, rt: Runtime) -> TrainConfig:
+    """The config with ``trainer.precision=auto`` replaced by what this device runs, so the log,
+    config.yaml and checkpoints say what was chosen."""
+    precision = resolve_precision(cfg.trainer.precision, rt.device)
+    return dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, precision=precision))
+
+
+def wrap_ddp(raw_model: nn.Module, cfg: TrainerConfig, rt: Runtime) -> nn.Module:
+    """SyncBatchNorm if asked, DDP, and optionally torch.compile; returns the training module."""
+    if cfg.sync_bn:
+        raw_model = nn.SyncBatchNorm.convert_sync_batchnorm(raw_model)
+    memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
+    raw_model.to(rt.device, memory_format=memory_format)
+    model: nn.Module = DDP(
+        raw_model,
+        device_ids=[rt.device.index] if rt.device.type == "cuda" else None,
+        bucket_cap_mb=cfg.bucket_cap_mb,
+        gradient_as_bucket_view=cfg.gradient_as_bucket_view,
+        static_graph=cfg.static_graph,
+    )
+    if cfg.compile:
+        model = torch.compile(model)
+    return model
+
+
+@dataclass
+class Training:
+    """Everything one run holds; ``raw_model`` is the unwrapped module inside ``model``."""
+
+    cfg: TrainConfig
+    rt: Runtime
+    run_dir: Path
+    raw_model: nn.Module
+    model: nn.Module
+    data: DataBundle
+    criterion: Criterion
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    warmup_steps: int
+    scaler: torch.amp.GradScaler
+    amp: Callable[[], AbstractContextManager]
+    ema: EMA | None
+    total_steps: int
+    stop: StopRequest
+    watchdog: StepWatchdog
+    progress: Progress
+    tracker: Tracker
+    callbacks: CallbackList
+    # This rank's (loss sum, real samples, skipped images) of the epoch so far, on the device.
+    epoch_totals: torch.Tensor
+    epoch: int = 0  # epochs completed; the one in progress
+    step: int = 0  # optimizer steps taken
+    sample_offset: int = 0  # positions of this epoch's sample order already trained on
+    best_accuracy: float = -1.0
+    best_ema_accuracy: float = -1.0
+    first_step: int = 1  # the step number of this process's first step (after a resume too)
+
+    def close(self, drain: bool = True) -> None:
+        """Stop the helpers: signal handlers, watchdog, progress bar, TensorBoard writer."""
+        self.stop.close(drain)
+        self.watchdog.close()
+        self.progress.end_epoch()
+        self.tracker.close()
+
+
+def global_batch(cfg: TrainConfig, rt: Runtime) -> int:
+    return cfg.data.batch_size * rt.world_size * cfg.trainer.grad_accum_steps
+
+
+def build_ema(cfg: TrainConfig, rt: Runtime, raw_model: nn.Module) -> EMA | None:
+    t = cfg.trainer
+    if t.ema_decay is None:
+        return None
+    decay = ema_decay(t.ema_decay, t.ema_every_steps, global_batch(cfg, rt), t.epochs)
+    return EMA(raw_model, decay, t.ema_every_steps)
+
+
+def build_training(cfg: TrainConfig, rt: Runtime, run_dir: Path) -> Training:
+    """Every rank: the model, data, optimizer and the helpers of one run (the stop request
+    creates a process group, so all ranks must call this). ``cfg`` has a resolved precision."""
+    t = cfg.trainer
+    # The same seed on every rank for the weights (DDP also broadcasts rank 0's), then a
+    # per-rank seed so augmentation and dropout differ between ranks.
+    seed_everything(cfg.seed)
+    raw_model = build_model(cfg.model, cfg.data)
+    model = wrap_ddp(raw_model, t, rt)
+    raw_model = model.module if isinstance(model, DDP) else model._orig_mod.module
+    seed_everything(cfg.seed + rt.rank)
+    data = build_data(cfg.data, rt, seed=cfg.seed, channels_last=t.channels_last)
+    steps_per_epoch = math.ceil(len(data.train) / t.grad_accum_steps)
+    total_steps = t.epochs * steps_per_epoch
+    if t.max_steps is not None:
+        total_steps = min(total_steps, t.max_steps)
+    optimizer = build_optimizer(cfg.optim, raw_model)
+    return Training(
+        cfg=cfg,
+        rt=rt,
+        run_dir=run_dir,
+        raw_model=raw_model,
+        model=model,
+        data=data,
+        criterion=Criterion(cfg.data.num_classes, t.label_smoothing, build_mixing(cfg.data)),
+        optimizer=optimizer,
+        scheduler=build_scheduler(cfg.sched, optimizer, cfg.optim.lr, total_steps, steps_per_epoch),
+        warmup_steps=warmup_steps(cfg.sched, steps_per_epoch),
+        scaler=torch.amp.GradScaler(rt.device.type, enabled=t.precision == "fp16"),
+        amp=amp_context(t.precision, rt.device),
+        ema=build_ema(cfg, rt, raw_model),
+        total_steps=total_steps,
+        stop=StopRequest(timedelta(seconds=t.timeout_s)),
+        watchdog=StepWatchdog(t.timeout_s, rt.rank),
+        progress=Progress(t.progress, rt.is_main, total_steps, global_batch(cfg, rt)),
+        tracker=Tracker(cfg.logger, run_dir, rt),
+        callbacks=build_callbacks(cfg.callbacks),
+        epoch_totals=torch.zeros(3, dtype=torch.float64, device=rt.device),
+    )

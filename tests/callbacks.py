@@ -1,0 +1,73 @@
+"""Test instrumentation, attached to train.py as callbacks (never part of the product):
+
+callbacks=[{_target_:tests.callbacks.Fault,kind:kill,step:97,rank:1}]
+callbacks=[{_target_:tests.callbacks.SampleRecorder,folder:/tmp/rec}]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+from ddp_utils.train.callbacks import Callback
+
+
+class Fault(Callback):
+    """Kill (SIGKILL) or stall one rank at one step, in torchrun's first attempt only (so the
+    restarted group runs on). A stall first writes the time it began into ``mark``."""
+
+    def __init__(self, kind: str, step: int, rank: int, mark: str | None = None) -> None:
+        assert kind in ("kill", "stall"), kind
+        self.kind, self.step, self.rank, self.mark = kind, step, rank, mark
+
+    def on_step_end(self, tr) -> None:
+        if tr.step != self.step or tr.rt.rank != self.rank:
+            return
+        if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+            return
+        if self.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.mark:
+            Path(self.mark).write_text(str(time.time()))
+        time.sleep(3600)
+
+
+class SampleRecorder(Callback):
+    """Each rank appends to ``folder/rank<R>.jsonl`` the real (non-padding) sample indices of
+    every optimizer step: the tests' ground truth for "each sample exactly once"."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder, self.order, self.pos = Path(folder), [], 0
+
+    def on_epoch_start(self, tr) -> None:
+        self.order, self.pos = list(tr.data.train_sampler), 0
+
+    def on_step_end(self, tr) -> None:
+        take = tr.cfg.trainer.grad_accum_steps * tr.cfg.data.batch_size
+        chunk = self.order[self.pos : self.pos + take]
+        self.pos += take
+        record = {"epoch": tr.epoch, "step": tr.step, "indices": [j for j in chunk if j >= 0]}
+        with open(self.folder / f"rank{tr.rt.rank}.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def fault(kind: str, step: int, rank: int, mark: str | None = None) -> str:
+    """The override that attaches a ``Fault``."""
+    extra = f",mark:'{mark}'" if mark else ""
+    return (
+        f"callbacks=[{{_target_:tests.callbacks.Fault,kind:{kind},step:{step},rank:{rank}{extra}}}]"
+    )
+
+
+def recorder(folder: Path) -> str:
+    return f"callbacks=[{{_target_:tests.callbacks.SampleRecorder,folder:'{folder}'}}]"
+
+
+def both(kind: str, step: int, rank: int, folder: Path) -> str:
+    return (
+        f"callbacks=[{{_target_:tests.callbacks.Fault,kind:{kind},step:{step},rank:{rank}}},"
+        f"{{_target_:tests.callbacks.SampleRecorder,folder:'{folder}'}}]"
+    )
