@@ -2,7 +2,7 @@
 
 In one run it measures, at each world size, images/s of
 - the tutorial's loop in plain PyTorch (PIL + ToTensor per sample, DistributedSampler, DDP),
-- train.py's loop with its defaults (and, on a GPU, with bf16 and torch.compile),
+- train.py's loop in full precision, then with bf16 autocast, torch.compile, and both,
 - the raw bound: the same DDP model stepping over batches already in memory,
 each the median of 3 runs of one epoch, plus the time from launching `python train.py` to
 its first training step next to the time to import torch, torchvision, torchmetrics and
@@ -82,23 +82,22 @@ def main() -> None:
     p.add_argument("--world-sizes", type=int, nargs="*", default=None)
     p.add_argument("--out", default=None, help="JSON path (default bench/results/<device>.json)")
     args = p.parse_args()
-    data_name, overrides = data_overrides()
-    overrides.append(f"trainer.device={args.device}")
-    variants = []
+    data_name, data = data_overrides()
+    # The train.py row in full precision, like the tutorial; the variants add bf16 autocast
+    # (what trainer.precision=auto picks where it is native) and torch.compile.
+    overrides = [*data, f"trainer.device={args.device}", "trainer.precision=32"]
+    bf16, compiled = "trainer.precision=bf16", "trainer.compile=true"
+    variants = [f"train.py bf16={bf16}", f"train.py compile={compiled}",
+                f"train.py bf16 compile={bf16},{compiled}"]  # fmt: skip
     world_sizes = args.world_sizes or [1, 2]
     if args.device == "cuda":
         import torch
 
         world_sizes = args.world_sizes or [1]
-        bf16 = "trainer.precision=bf16"
-        variants = [f"train.py bf16={bf16}",
-                    f"train.py bf16 compile={bf16},trainer.compile=true"]  # fmt: skip
         assert torch.cuda.is_available(), "make bench-gpu needs a CUDA device"
     rows = [{"world_size": w, "images_per_s": loops(w, overrides, variants)} for w in world_sizes]
     imports = statistics.median(bare_import_s() for _ in range(3))
-    first_step = statistics.median(
-        launch_to_first_step_s(overrides[:-1], args.device) for _ in range(3)
-    )
+    first_step = statistics.median(launch_to_first_step_s(data, args.device) for _ in range(3))
     report = {
         "device": args.device,
         "data": data_name,

@@ -102,7 +102,7 @@ class DataConfig:
 @dataclass
 class OptimConfig:
     name: str = "sgd"
-    lr: float = 0.02
+    lr: float = 0.1
     momentum: float = 0.9
     nesterov: bool = False
     weight_decay: float = 0.0
@@ -113,7 +113,7 @@ class OptimConfig:
 
 @dataclass
 class SchedConfig:
-    name: str = "none"
+    name: str = "onecycle"
     warmup_steps: int = 0  # linear warmup from warmup_start_factor * lr
     warmup_epochs: int = 0  # the same in epochs (one of the two)
     warmup_start_factor: float = 0.1

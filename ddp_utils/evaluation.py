@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
@@ -76,17 +77,24 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
     rt = init_distributed(train_cfg.trainer)
     setup_logging(None, rt, "eval")
     data = train_cfg.data
-    loader, preprocess, classes = build_eval_data(data, rt, train_cfg.seed)
+    # The memory format training validated in: the same kernels, so the same numbers.
+    channels_last = train_cfg.trainer.channels_last
+    loader, preprocess, classes = build_eval_data(data, rt, train_cfg.seed, channels_last)
     check_classes(ckpt.get("classes"), classes, checkpoint, data)
     precision = resolve_precision(train_cfg.trainer.precision, rt.device)
     result = evaluate(
-        model.to(rt.device), loader, preprocess, rt, data.num_classes,
+        model.to(rt.device, memory_format=memory_format(channels_last)), loader, preprocess, rt,
+        data.num_classes,
         amp_context(precision, rt.device),
     )  # fmt: skip
     result.update(world_size=rt.world_size, checkpoint=str(checkpoint), ema=cfg.ema)
     output = Path(cfg.output) if cfg.output else default_output(checkpoint)
     write_report(result, output, f"{data.name}/{data.split}", rt)
     return result
+
+
+def memory_format(channels_last: bool) -> torch.memory_format:
+    return torch.channels_last if channels_last else torch.contiguous_format
 
 
 def model_weights(ckpt: dict[str, Any], checkpoint: Path, ema: bool) -> dict[str, Any]:

@@ -176,3 +176,24 @@ def test_custom_target_errors_are_one_paragraph(monkeypatch):
     images, labels = next(iter(loader))
     assert images.dtype == torch.uint8 and images.shape[1:] == (1, 8, 8)
     assert classes == [str(i) for i in range(10)]
+
+
+def test_recipe_transforms_join_the_training_preset_and_stay_seeded():
+    cfg = DataConfig(
+        in_channels=3,
+        image_size=12,
+        train_crop_size=10,
+        augment=True,
+        auto_augment="ta_wide",
+        random_erase=0.5,
+        mean=[0.5] * 3,
+        std=[0.5] * 3,
+    )
+    names = [type(t).__name__ for t in train_transform(cfg).transforms]
+    assert names == ["RandomResizedCrop", "RandomHorizontalFlip", "TrivialAugmentWide",
+                     "RandomErasing"]  # fmt: skip
+    images = torch.arange(8 * 3 * 20 * 20).remainder(256).to(torch.uint8).view(8, 3, 20, 20)
+    ds = SeededTransform(list(zip(images, range(8), strict=True)), train_transform(cfg), seed=1)
+    assert ds[(2, 3)][0].shape == (3, 10, 10) and torch.equal(ds[(2, 3)][0], ds[(2, 3)][0])
+    with pytest.raises(ConfigError, match="data.auto_augment, data.random_erase"):
+        build_data(DataConfig(auto_augment="ra"), RT, seed=0)  # the in-memory digits

@@ -122,6 +122,13 @@ def test_warmup_then_schedule(name):
         assert factors[20] == 0.5 and factors[40] == 0.25
 
 
+def test_warmup_epochs_count_in_optimizer_steps():
+    cfg = SchedConfig(name="cosine", warmup_epochs=2, warmup_start_factor=0.5)
+    factors = [lr_factor(cfg, s, total_steps=50, steps_per_epoch=5, base_lr=0.1) for s in range(50)]
+    assert factors[0] == pytest.approx(0.5) and factors[5] == pytest.approx(0.75)
+    assert factors[10] == pytest.approx(1.0) and factors[11] < 1.0
+
+
 @pytest.mark.parametrize("name", ["convnet", "mlp", "resnet18"])
 @pytest.mark.parametrize("shape", [(1, 8, 10), (1, 28, 10), (3, 32, 10), (2, 20, 7)])
 def test_models_fit_the_declared_data(name, shape):

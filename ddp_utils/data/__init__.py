@@ -112,7 +112,7 @@ def build_data(cfg: DataConfig, rt: Runtime, seed: int, channels_last: bool = Fa
 
 
 def build_eval_data(
-    cfg: DataConfig, rt: Runtime, seed: int
+    cfg: DataConfig, rt: Runtime, seed: int, channels_last: bool = False
 ) -> tuple[TensorLoader | DataLoader, nn.Module, list[str] | None]:
     """Every rank: the loader of ``data.split`` sharded exactly, its preprocessing, classes."""
     if cfg.name in STREAMED:
@@ -123,4 +123,4 @@ def build_eval_data(
         with local_main_first(rt):
             ds, classes = load_split(cfg, cfg.split), None
         loader = in_memory_loader(ds, EvalShardSampler(len(ds), rt.world_size, rt.rank), cfg, rt)
-    return loader, Preprocess(cfg, False).to(rt.device), classes
+    return loader, Preprocess(cfg, False, channels_last).to(rt.device), classes

@@ -34,6 +34,9 @@ IDENTITY_KEYS = (
 )  # fmt: skip
 
 
+SCHEDULE_LENGTH_KEYS = ("total_steps", "_schedule_phases")  # OneCycleLR's
+
+
 def checkpoint_state(tr: Training) -> dict[str, Any]:
     """The whole training state; every rank must call it (it gathers each rank's RNG state).
 
@@ -160,7 +163,10 @@ def resume(tr: Training) -> None:
 def restore(tr: Training, ckpt: dict[str, Any]) -> None:
     tr.raw_model.load_state_dict(ckpt["model"])
     tr.optimizer.load_state_dict(ckpt["optimizer"])
-    tr.scheduler.load_state_dict(ckpt["scheduler"])
+    # The schedule's length follows this run's config (trainer.epochs may have grown): keep
+    # the freshly built scheduler's length, take the rest (its position) from the checkpoint.
+    length = {k: v for k, v in tr.scheduler.state_dict().items() if k in SCHEDULE_LENGTH_KEYS}
+    tr.scheduler.load_state_dict(ckpt["scheduler"] | length)
     tr.scaler.load_state_dict(ckpt["scaler"])
     tr.epoch, tr.step = ckpt["epoch"], ckpt["step"]
     tr.sample_offset, tr.best_accuracy = ckpt["sample_offset"], ckpt["best_accuracy"]

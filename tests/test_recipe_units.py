@@ -1,0 +1,211 @@
+"""Models by target, the zoo adapter, weights, EMA, the loss options, weight-decay groups,
+precision=auto and callbacks, in one process."""
+
+from __future__ import annotations
+
+import math
+from unittest import mock
+
+import pytest
+import torch
+import torchvision
+from conftest import ROOT, compose_config
+from torch.nn import functional as F
+
+from ddp_utils.config import ConfigError, DataConfig, ModelConfig, OptimConfig
+from ddp_utils.data import IGNORE_LABEL
+from ddp_utils.models import build_model
+from ddp_utils.models.ema import EMA, ema_decay
+from ddp_utils.optim import param_groups
+from ddp_utils.train.callbacks import build_callbacks
+from ddp_utils.train.loss import Criterion, build_mixing
+from ddp_utils.train.precision import resolve_precision
+
+RGB = dict(in_channels=3, mean=[0.5] * 3, std=[0.5] * 3)
+
+
+def torchvision_cfg(arch: str) -> ModelConfig:
+    return compose_config("model=torchvision", f"model.arch={arch}").model
+
+
+def test_torchvision_models_by_name_with_adapted_stems():
+    data = DataConfig(image_size=32, num_classes=7, **RGB)
+    mobilenet = build_model(torchvision_cfg("mobilenet_v3_small"), data)
+    reference = torchvision.models.get_model("mobilenet_v3_small", num_classes=7)
+    mobilenet.load_state_dict(reference.state_dict())  # unchanged architecture at 3 channels
+    assert mobilenet(torch.randn(2, 3, 32, 32)).shape == (2, 7)
+    grey = build_model(torchvision_cfg("efficientnet_b0"), DataConfig(image_size=40))
+    assert grey(torch.randn(2, 1, 40, 40)).shape == (2, 10)
+    small = build_model(torchvision_cfg("resnet50"), DataConfig(image_size=32, **RGB))
+    assert small.conv1.kernel_size == (3, 3) and isinstance(small.maxpool, torch.nn.Identity)
+    with pytest.raises(ConfigError, match="close matches: resnet50"):
+        build_model(torchvision_cfg("resnet5O"), data)
+
+
+def test_timm_models_when_timm_is_installed():
+    pytest.importorskip("timm", reason="timm is the optional extra [timm]")
+    cfg = compose_config("model=timm", "model.arch=resnet18").model
+    model = build_model(cfg, DataConfig(image_size=32, num_classes=4))
+    assert model(torch.randn(2, 1, 32, 32)).shape == (2, 4)
+
+
+def test_custom_targets_get_what_their_signature_takes_and_clear_errors(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "tests"))
+    cfg = compose_config("model=custom", "model._target_=custom_models.TinyNet",
+                         "+model.width=5").model  # fmt: skip
+    model = build_model(cfg, DataConfig(image_size=8, num_classes=3))
+    assert model.conv.out_channels == 5 and model(torch.randn(2, 1, 8, 8)).shape == (2, 3)
+    bad = compose_config("model=custom", "model._target_=custom_models.TinyNet",
+                         "+model.depth=5").model  # fmt: skip
+    with pytest.raises(ConfigError, match="custom_models.TinyNet rejected its arguments"):
+        build_model(bad, DataConfig())
+    gone = compose_config("model=custom", "model._target_=nowhere.Net").model
+    with pytest.raises(ConfigError, match="nowhere.Net cannot be imported"):
+        build_model(gone, DataConfig())
+    with pytest.raises(ConfigError, match="model.lrr is not a key of model=convnet"):
+        compose_config("+model.lrr=1")
+
+
+def test_weights_load_and_a_head_of_another_class_count_is_reinitialised(tmp_path, caplog):
+    cfg = torchvision_cfg("resnet18")
+    data5 = DataConfig(image_size=96, num_classes=5, **RGB)
+    source = build_model(cfg, data5)
+    torch.save(source.state_dict(), tmp_path / "w.pt")
+    same = build_model(ModelConfig(**{**vars(cfg), "weights": str(tmp_path / "w.pt")}), data5)
+    assert all(torch.equal(v, source.state_dict()[k]) for k, v in same.state_dict().items())
+    with caplog.at_level("INFO", logger="ddp_recipes"):
+        other = build_model(
+            ModelConfig(**{**vars(cfg), "weights": str(tmp_path / "w.pt")}),
+            DataConfig(image_size=96, num_classes=10, **RGB),
+        )
+    assert "re-initialised for 10 classes" in caplog.text
+    assert torch.equal(other.conv1.weight, source.conv1.weight) and other.fc.out_features == 10
+    mlp = compose_config("model=mlp").model
+    with pytest.raises(ConfigError, match="does not match the model: missing"):
+        build_model(ModelConfig(**{**vars(mlp), "weights": str(tmp_path / "w.pt")}),
+                    DataConfig())  # fmt: skip
+
+
+def test_label_smoothing_is_the_textbook_formula():
+    torch.manual_seed(0)
+    logits, labels = torch.randn(6, 4), torch.tensor([0, 3, 1, IGNORE_LABEL, 2, 2])
+    got = Criterion(4, 0.1, None).loss_sum(logits, labels)
+    logp = logits.log_softmax(1)
+    real = labels != IGNORE_LABEL
+    hand = -(0.9 * logp[real, labels[real]] + 0.1 / 4 * logp[real].sum(1)).sum()
+    assert torch.allclose(got, hand, atol=1e-6)
+
+
+def _constant_images(values: list[float]) -> torch.Tensor:
+    return torch.tensor(values).view(-1, 1, 1, 1).expand(-1, 1, 6, 6).contiguous()
+
+
+@pytest.mark.parametrize("kind", ["mixup", "cutmix"])
+def test_mixup_and_cutmix_targets_and_loss_by_hand(kind):
+    values = [10.0, 20.0, 40.0, 80.0, 160.0]
+    labels = torch.tensor([1, 2, 0, IGNORE_LABEL, 3])  # the 4th is a padding duplicate
+    data = DataConfig(num_classes=4, mixup_alpha=0.4 if kind == "mixup" else 0.0,
+                      cutmix_alpha=1.0 if kind == "cutmix" else 0.0)  # fmt: skip
+    criterion = Criterion(4, 0.0, build_mixing(data))
+    torch.manual_seed(3)
+    mixed, targets = criterion.mix(_constant_images(values), labels)
+    v = torch.tensor(values)
+    if kind == "mixup":  # mixed_i = lam * x_i + (1 - lam) * x_{i-1}
+        lam = float((mixed[1, 0, 0, 0] - v[0]) / (v[1] - v[0]))
+    else:  # a box of x_{i-1} pasted into x_i: lam is the share of x_i's own pixels
+        lam = float((mixed[1] == v[1]).float().mean())
+    onehot = F.one_hot(labels.clamp(min=0), 4).float()
+    expected = lam * onehot + (1 - lam) * onehot.roll(1, 0)
+    expected[3] = 0  # the padding row counts for nothing
+    expected[4] = lam * onehot[4]  # its partner (the padding row) gives it nothing either
+    assert torch.allclose(targets, expected, atol=1e-6)
+    logits = torch.randn(5, 4)
+    hand = -(expected * logits.log_softmax(1)).sum()
+    assert torch.allclose(criterion.loss_sum(logits, targets), hand, atol=1e-5)
+
+
+def test_weight_decay_groups_put_norms_and_biases_where_the_keys_say():
+    model = build_model(ModelConfig(), DataConfig())  # convnet: conv, BN, linear
+    groups = param_groups(OptimConfig(weight_decay=0.1, norm_weight_decay=0.0,
+                                      bias_weight_decay=0.05), model)  # fmt: skip
+    by_wd = {g["weight_decay"]: {id(p) for p in g["params"]} for g in groups}
+    bn = [m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    convs = [m for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
+    assert by_wd[0.0] == {id(p) for m in bn for p in m.parameters()}
+    assert by_wd[0.05] == {id(m.bias) for m in [*convs, model.fc]}
+    assert by_wd[0.1] == {id(m.weight) for m in [*convs, model.fc]}
+    assert sum(len(g["params"]) for g in groups) == len(list(model.parameters()))
+    same = param_groups(OptimConfig(weight_decay=0.1), model)
+    assert [g["weight_decay"] for g in same] == [0.1]
+
+
+def test_precision_auto_picks_bf16_exactly_where_it_is_native():
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    for amx, avx in ((False, False), (True, False), (False, True), (True, True)):
+        with (
+            mock.patch("torch.cpu._is_amx_tile_supported", return_value=amx),
+            mock.patch("torch.cpu._is_avx512_bf16_supported", return_value=avx),
+        ):
+            assert resolve_precision("auto", cpu) == ("bf16" if amx or avx else "32")
+            assert resolve_precision("32", cpu) == "32"
+    for major, want in ((7, "32"), (8, "bf16"), (9, "bf16")):
+        with mock.patch("torch.cuda.get_device_capability", return_value=(major, 0)):
+            assert resolve_precision("auto", gpu) == want
+            assert resolve_precision("fp16", gpu) == "fp16"
+
+
+def test_ema_decay_is_adjusted_and_copies_during_warmup():
+    # The references: alpha = (1 - decay) * world_size * batch * ema_steps / epochs
+    assert ema_decay(0.99998, 32, 1024, 600) == pytest.approx(1 - 0.00002 * 1024 * 32 / 600)
+    assert ema_decay(0.9, 10, 1000, 1) == 0.0  # alpha capped at 1: a copy
+    model = torch.nn.Linear(2, 2)
+    ema = EMA(model, decay=0.5, every_steps=2)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    ema.update(model, step=1, in_warmup=False)  # not a multiple of every_steps: nothing
+    assert not torch.equal(ema.module.weight, model.weight)
+    ema.update(model, step=2, in_warmup=True)
+    assert torch.equal(ema.module.weight, model.weight)  # the first update copies
+    with torch.no_grad():
+        model.weight.fill_(3.0)
+    ema.update(model, step=4, in_warmup=True)  # still warming up: a copy again
+    assert torch.equal(ema.module.weight, model.weight)
+    with torch.no_grad():
+        model.weight.fill_(5.0)
+    ema.update(model, step=6, in_warmup=False)  # the warm-up left nothing averaged: a copy
+    assert torch.equal(ema.module.weight, model.weight)
+    with torch.no_grad():
+        model.weight.fill_(7.0)
+    ema.update(model, step=8, in_warmup=False)
+    assert torch.allclose(ema.module.weight, torch.full((2, 2), 6.0))  # 0.5 * 5 + 0.5 * 7
+
+
+def test_callbacks_are_targets_and_bad_entries_are_named():
+    built = build_callbacks([{"_target_": "ddp_utils.train.callbacks.Callback"}])
+    assert len(built.callbacks) == 1
+    with pytest.raises(ConfigError, match="each entry needs a _target_"):
+        build_callbacks([{"every": 3}])
+    with pytest.raises(ConfigError, match="is not a ddp_utils.train.callbacks.Callback"):
+        build_callbacks([{"_target_": "collections.OrderedDict"}])
+
+
+def test_imagenet_preset_composes_with_the_references_hyperparameters():
+    cfg = compose_config("experiment=imagenet_resnet50", "data.root=/data/imagenet")
+    d, o, s, t = cfg.data, cfg.optim, cfg.sched, cfg.trainer
+    assert (cfg.model.name, cfg.model.arch, d.name, d.num_classes) == (
+        "torchvision", "resnet50", "imagefolder", 1000)  # fmt: skip
+    assert (d.train_crop_size, d.image_size, d.resize_size, d.batch_size) == (176, 224, 232, 128)
+    assert (d.auto_augment, d.random_erase, d.mixup_alpha, d.cutmix_alpha) == (
+        "ta_wide", 0.1, 0.2, 1.0)  # fmt: skip
+    assert (o.name, o.lr, o.weight_decay, o.norm_weight_decay) == ("sgd", 0.5, 2e-5, 0.0)
+    assert (s.name, s.warmup_epochs, t.epochs, t.label_smoothing) == ("cosine", 5, 600, 0.1)
+    assert (t.ema_decay, t.ema_every_steps) == (0.99998, 32)
+    assert math.isclose(s.warmup_start_factor, 0.01)
+
+
+def test_no_module_of_the_package_reads_a_test_only_variable():
+    offenders = [
+        p.relative_to(ROOT) for p in (ROOT / "ddp_utils").rglob("*.py")
+        if "DDP_RECIPES_" in p.read_text()
+    ]  # fmt: skip
+    assert offenders == []
