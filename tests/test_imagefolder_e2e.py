@@ -124,7 +124,8 @@ def test_resume_at_another_world_size_sees_each_remaining_sample_once(folder, tm
 def test_a_custom_data_set_trains_and_evaluates(tmp_path):
     args = ("data=custom", "data._target_=imagefolders.digits_datasets", "+data.limit=600",
             "data.in_channels=1", "data.image_size=8", "data.resize_size=8", "data.mean=[0.3]",
-            "data.std=[0.38]", "trainer.epochs=3", "data.num_workers=1")  # fmt: skip
+            "data.std=[0.38]", "trainer.epochs=3", "data.batch_size=25",
+            "data.num_workers=1")  # fmt: skip
     env = {"PYTHONPATH": str(ROOT / "tests")}
     run_script("train.py", *args, f"run_dir={tmp_path}", nproc=2, env=env)
     records = read_metrics(tmp_path)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -12,6 +13,7 @@ from omegaconf import OmegaConf
 from ddp_utils.config import ConfigError, TrainConfig
 from ddp_utils.data.imagefolder import class_difference
 from ddp_utils.dist import Runtime, all_reduce_sum, broadcast_object
+from ddp_utils.optim import build_scheduler
 from ddp_utils.run import log
 from ddp_utils.train.checkpoint import (
     load_checkpoint,
@@ -160,8 +162,33 @@ def resume(tr: Training) -> None:
     )  # fmt: skip
 
 
+def resumed_total_steps(tr: Training, ckpt: dict[str, Any]) -> tuple[int, int]:
+    """(the run's length in optimizer steps, steps per epoch) from the checkpoint on, at this
+    world size: its steps so far, the rest of its epoch, then whole epochs (capped by
+    trainer.max_steps)."""
+    t, batch, sampler = tr.cfg.trainer, tr.cfg.data.batch_size, tr.data.train_sampler
+
+    def steps(start: int) -> int:
+        per_rank = math.ceil((sampler.length - start) / sampler.world_size)
+        return math.ceil(math.ceil(per_rank / batch) / t.grad_accum_steps)
+
+    rest = steps(ckpt["sample_offset"]) if ckpt["epoch"] < t.epochs else 0
+    total = ckpt["step"] + rest + max(0, t.epochs - ckpt["epoch"] - 1) * steps(0)
+    return (total if t.max_steps is None else min(total, t.max_steps)), steps(0)
+
+
 def restore(tr: Training, ckpt: dict[str, Any]) -> None:
     tr.raw_model.load_state_dict(ckpt["model"])
+    total, per_epoch = resumed_total_steps(tr, ckpt)
+    if total != tr.total_steps:
+        # Another world size re-shards the rest of the epoch into another number of steps:
+        # the schedule is rebuilt for the length this run will really have.
+        log.info("the run's length from here: %d optimizer steps (planned %d)", total,
+                 tr.total_steps)  # fmt: skip
+        tr.total_steps = tr.progress.total_steps = total
+        tr.scheduler = build_scheduler(
+            tr.cfg.sched, tr.optimizer, tr.cfg.optim.lr, total, per_epoch
+        )
     tr.optimizer.load_state_dict(ckpt["optimizer"])
     # The schedule's length follows this run's config (trainer.epochs may have grown): keep
     # the freshly built scheduler's length, take the rest (its position) from the checkpoint.
