@@ -34,13 +34,6 @@ def folder_args(root: Path, *extra: str) -> tuple[str, ...]:
     )  # fmt: skip
 
 
-def tensor_images(root: Path, split: str) -> torch.Tensor:
-    return torch.stack(
-        [torch.from_numpy(__import__("numpy").array(Image.open(p))) for p in
-         sorted((root / split).rglob("*.png"))]
-    )  # fmt: skip
-
-
 class _Digits(torch.utils.data.Dataset):
     """The digits as a user's data set might hold them: PIL images, or float tensors."""
 
