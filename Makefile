@@ -14,10 +14,10 @@ help:  ## list the targets
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q -e '.[dev,timm]'
+	$(BIN)/python -m pip install -q -e '.[dev,timm,slurm]'
 	touch $(STAMP)
 
-install: $(STAMP)  ## create .venv and install the project with its dev tools and timm
+install: $(STAMP)  ## create .venv and install the project with its dev tools, timm and submitit
 
 train: $(STAMP)  ## train on the embedded digits with NPROC (default 2) processes; ARGS= for overrides
 	$(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) train.py $(ARGS)

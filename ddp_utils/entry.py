@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 from ddp_utils.config import ConfigError, register_configs
 from ddp_utils.dist import read_launch_env
-from ddp_utils.preemption import PREEMPTED_EXIT, Preempted
+from ddp_utils.preemption import PREEMPTED_EXIT, Preempted, pass_on
 from ddp_utils.sweep import in_sweep, register_sweep_configs
 
 USER_ERROR_EXIT = 2
@@ -32,7 +32,8 @@ def clean_exit() -> Iterator[None]:
     """
     try:
         yield
-    except Preempted:
+    except Preempted as stop:
+        pass_on(stop.signum)  # submitit's handler requeues the job here
         sys.exit(PREEMPTED_EXIT)  # the trainer logged the stop; relaunching resumes
     except ConfigError as e:
         if in_sweep():

@@ -10,7 +10,9 @@ import torch
 import torch.distributed as dist
 
 PREEMPTED_EXIT = 75  # EX_TEMPFAIL: the run stopped early on purpose; relaunch it to resume
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # SLURM sends SIGUSR1 before a time limit
+# SLURM's time-limit warning is the one `--signal` names (SIGUSR1 in Lightning's and our srun
+# examples, SIGUSR2 under submitit); preemption and scancel send SIGTERM.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 
 
 class Preempted(Exception):
@@ -66,3 +68,12 @@ class StopRequest:
         self._pending = None
         for s, handler in self._previous.items():
             signal.signal(s, handler)
+
+
+def pass_on(signum: int) -> None:
+    """Once the checkpoint is written, give the stop signal to the Python handler that was
+    installed before ours, if any: under submitit that handler requeues the job (from global
+    rank 0) and exits. With no such handler (plain torchrun, srun) this does nothing."""
+    handler = signal.getsignal(signum)
+    if callable(handler):
+        handler(signum, None)

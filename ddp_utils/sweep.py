@@ -123,6 +123,8 @@ def rank_zero_level() -> str:
 
 def register_sweep_configs() -> None:
     if not OmegaConf.has_resolver("ddp_sweep_dir"):
-        OmegaConf.register_new_resolver("ddp_sweep_dir", sweep_dir_name)
+        # Cached, so that Hydra copies the value resolved here into every job's config: a
+        # submitit job resolving it again on its SLURM node would pick another directory.
+        OmegaConf.register_new_resolver("ddp_sweep_dir", sweep_dir_name, use_cache=True)
     if not OmegaConf.has_resolver("ddp_rank_zero_level"):
         OmegaConf.register_new_resolver("ddp_rank_zero_level", rank_zero_level)
