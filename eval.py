@@ -13,12 +13,13 @@ from omegaconf import DictConfig
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from ddp_utils.dist import shutdown
-from ddp_utils.entry import clean_exit, register
+from ddp_utils.entry import clean_exit, register, user_errors
 from ddp_utils.evaluation import run_eval
 
 register()
 
 
+@user_errors  # Hydra's composition errors: one line from rank 0, exit 2
 @hydra.main(version_base=None, config_path="conf", config_name="eval")
 @record  # torchrun then reports the failing rank's traceback
 def main(cfg: DictConfig) -> float:

@@ -18,13 +18,14 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from ddp_utils.config import to_schema
 from ddp_utils.dist import init_distributed, shutdown
-from ddp_utils.entry import clean_exit, register
+from ddp_utils.entry import clean_exit, register, user_errors
 from ddp_utils.sweep import in_sweep, sweep_job_dir
 from ddp_utils.train.loop import fit
 
 register()
 
 
+@user_errors  # Hydra's composition errors: one line from rank 0, exit 2
 @hydra.main(version_base=None, config_path="conf", config_name="train")
 @record  # torchrun then reports the failing rank's traceback
 def main(cfg: DictConfig) -> float:

@@ -8,7 +8,7 @@ and the fix.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, is_dataclass
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -311,31 +311,47 @@ def validate_streamed(d: DataConfig) -> None:
         )
 
 
-def collect_target_kwargs(cfg: DictConfig) -> None:
+def collect_target_kwargs(cfg: DictConfig, schema: type = TrainConfig) -> None:
     """Move keys that ``+data.NAME=VALUE`` / ``+model.NAME=VALUE`` added to ``data=custom`` or
-    ``model=custom`` into their ``kwargs`` (the target's arguments); on any other option such
-    a key is a mistake."""
-    for group, schema in (("data", DataConfig), ("model", ModelConfig)):
+    ``model=custom`` into their ``kwargs`` (the target's arguments). Anywhere else a key the
+    schema lacks is a mistake (OmegaConf would drop it in silence)."""
+    for group, node_schema in (("data", DataConfig), ("model", ModelConfig)):
         node = cfg.get(group)
-        if node is None:
+        extra = [k for k in node or () if k not in node_schema.__dataclass_fields__]
+        if extra and node.get("name") == "custom":
+            with open_dict(node):
+                for key in extra:
+                    node.kwargs[key] = node.pop(key)
+    unknown = unknown_keys(cfg, schema)
+    if unknown:
+        key = unknown[0]
+        group = key.split(".")[0]
+        hint = (f" +{group}.NAME=VALUE arguments are for {group}=custom."
+                if group in ("data", "model") else "")  # fmt: skip
+        raise ConfigError(
+            f"{key} is not a key of this config; check its spelling (python train.py --cfg job "
+            f"lists every key).{hint}"
+        )
+
+
+def unknown_keys(node: DictConfig, schema: type, prefix: str = "") -> list[str]:
+    """Keys of ``node`` that the dataclass ``schema`` (and its nested dataclasses) lacks."""
+    fields = schema.__dataclass_fields__
+    found = []
+    for key in node:
+        if key not in fields:
+            found.append(f"{prefix}{key}")
             continue
-        extra = [k for k in node if k not in schema.__dataclass_fields__]
-        if not extra:
-            continue
-        if node.get("name") != "custom":
-            raise ConfigError(
-                f"{group}.{extra[0]} is not a key of {group}={node.get('name')}; check its "
-                "spelling (python train.py --cfg job lists the keys). +"
-                f"{group}.NAME=VALUE arguments are for {group}=custom."
-            )
-        with open_dict(node):
-            for key in extra:
-                node.kwargs[key] = node.pop(key)
+        sub = fields[key].default_factory if callable(fields[key].default_factory) else None
+        value = node.get(key)
+        if sub is not None and is_dataclass(sub) and isinstance(value, DictConfig):
+            found += unknown_keys(value, sub, f"{prefix}{key}.")
+    return found
 
 
 def to_schema(cfg: DictConfig, schema: type = TrainConfig) -> Any:
     """Turn a composed DictConfig into its validated dataclass object."""
-    collect_target_kwargs(cfg)
+    collect_target_kwargs(cfg, schema)
     obj = OmegaConf.to_object(cfg)
     assert isinstance(obj, schema), f"config did not compose onto {schema.__name__}"
     return validate(obj)

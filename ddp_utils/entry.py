@@ -1,19 +1,35 @@
-"""What the entry scripts share: Hydra registration, a clean exit on users' mistakes."""
+"""What the entry scripts share: Hydra registration, and exits that read as one message.
+
+Exit codes (the README's table): 0 finished, 1 a crash (with its traceback), 2 a user's
+mistake, 3 a diverged run (non-finite loss or weights), 75 stopped on request (SIGTERM,
+SIGUSR1/2: relaunch to resume), 130 stopped by Ctrl-C (SIGINT; relaunch to resume).
+"""
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import json
+import os
+import re
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from hydra.errors import HydraException, MissingConfigException
+from omegaconf.errors import OmegaConfBaseException
 
 from ddp_utils.config import ConfigError, register_configs
 from ddp_utils.dist import read_launch_env
-from ddp_utils.preemption import PREEMPTED_EXIT, Preempted, pass_on
+from ddp_utils.preemption import INTERRUPTED_EXIT, Preempted, pass_on
 from ddp_utils.sweep import in_sweep, register_sweep_configs
 
 USER_ERROR_EXIT = 2
 NON_MAIN_EXIT_DELAY_S = 2.0
+# Flags that make Hydra print something and exit instead of running the job.
+PRINT_FLAGS = ("--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "-i")
+_job_started = False  # composition errors come before the job; any later one is the job's
 
 
 def register() -> None:
@@ -23,27 +39,89 @@ def register() -> None:
     register_sweep_configs()
 
 
+def report(message: str, exit_code: int, rank_specific: bool = False) -> None:
+    """Print a user-facing error once (global rank 0, or every rank for a rank's own error)
+    and exit. Under torchrun it also becomes the error file that ``record`` would write, so
+    torchrun's failure summary shows this line as the root cause, not a traceback."""
+    rank = read_launch_env().rank
+    if rank == 0 or rank_specific:
+        prefix = f"[rank {rank}] " if rank else ""
+        print(f"{prefix}error: {message}", file=sys.stderr, flush=True)
+        write_error_file(f"error: {message}")
+    else:
+        # torchrun stops the whole group as soon as one worker exits: give rank 0 time to
+        # print the shared message (and be the first failure) first.
+        time.sleep(NON_MAIN_EXIT_DELAY_S)
+    sys.exit(exit_code)
+
+
+def write_error_file(message: str) -> None:
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or os.path.exists(path):
+        return
+    extra = {"py_callstack": message, "timestamp": str(int(time.time()))}
+    with contextlib.suppress(OSError), open(path, "w") as f:
+        json.dump({"message": {"message": message, "extraInfo": extra}}, f)
+
+
 @contextlib.contextmanager
 def clean_exit() -> Iterator[None]:
-    """Exit codes without tracebacks: 2 for a user's mistake, 75 for a preempted run.
+    """Inside the Hydra job: exit codes without tracebacks for everything but crashes.
 
     Every rank reaches the same config, data and checkpoint, so it raises the same error: only
     global rank 0 prints it, unless the error says it is this rank's alone.
     """
+    global _job_started
+    _job_started = True
     try:
         yield
     except Preempted as stop:
         pass_on(stop.signum)  # submitit's handler requeues the job here
-        sys.exit(PREEMPTED_EXIT)  # the trainer logged the stop; relaunching resumes
+        sys.exit(stop.exit_code)  # the trainer logged the stop; relaunching resumes
     except ConfigError as e:
         if in_sweep():
             raise  # Hydra records this job as failed and the sweep goes on to the next one
-        rank = read_launch_env().rank
-        if rank == 0 or e.rank_specific:
-            prefix = f"[rank {rank}] " if rank else ""
-            print(f"{prefix}error: {e}", file=sys.stderr, flush=True)
-        else:
-            # torchrun stops the whole group as soon as one worker exits: give rank 0 time
-            # to print the shared message first.
-            time.sleep(NON_MAIN_EXIT_DELAY_S)
-        sys.exit(USER_ERROR_EXIT)
+        report(str(e), getattr(e, "exit_code", USER_ERROR_EXIT), e.rank_specific)
+    except KeyboardInterrupt:  # Ctrl-C before the training loop took over SIGINT
+        report("interrupted (Ctrl-C) before training started; nothing to save",
+               INTERRUPTED_EXIT)  # fmt: skip
+
+
+def user_errors(main: Callable[[], Any]) -> Callable[[], Any]:
+    """Around ``@hydra.main``: Hydra's own errors (an unknown key or option, a wrong type, a
+    malformed override) become one paragraph from global rank 0 and exit code 2, instead of
+    Hydra's exit code 1 on every rank; ``--cfg`` / ``--help`` print once under torchrun."""
+
+    @functools.wraps(main)
+    def wrapper() -> Any:
+        os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # let its errors reach us
+        printing = any(a in PRINT_FLAGS or a.startswith("--cfg=") for a in sys.argv[1:])
+        if printing and read_launch_env().rank != 0:
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the rest of the process
+        try:
+            return main()
+        except (HydraException, OmegaConfBaseException) as e:
+            if _job_started:
+                raise  # not composition: a bug inside the job, with its traceback
+            report(hydra_error_paragraph(e), USER_ERROR_EXIT)
+
+    return wrapper
+
+
+def hydra_error_paragraph(e: BaseException) -> str:
+    """Hydra's multi-line message (and its cause's) as one paragraph with the fix."""
+    if isinstance(e, MissingConfigException) and e.options and e.missing_cfg_file:
+        group, _, option = e.missing_cfg_file.rpartition("/")
+        return (f"{group}={option} is not an option; the options of {group} are: "
+                f"{', '.join(e.options)} (python train.py --help lists the groups).")  # fmt: skip
+    parts = [str(e)]
+    if e.__cause__ is not None and str(e.__cause__) not in parts[0]:
+        parts.append(str(e.__cause__))
+    text = " ".join(" ".join(parts).split())
+    # Hydra suggests `+key=value` for an unknown key, but the schema refuses those too.
+    text = re.sub(r"To append to your config use \+\S+ ?", "", text)
+    text = re.sub(r" ?(full_key: \S+|reference_type=\S+|object_type=\S+)", "", text)
+    text = re.sub(r"^Error merging override (\S+) ", r"\1: ", text)
+    if "not in '" in text or "Could not override" in text:
+        text = text.rstrip(".") + ". Check the spelling: python train.py --cfg job lists every key."
+    return text

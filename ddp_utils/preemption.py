@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 from datetime import timedelta
 from types import FrameType
@@ -10,9 +11,11 @@ import torch
 import torch.distributed as dist
 
 PREEMPTED_EXIT = 75  # EX_TEMPFAIL: the run stopped early on purpose; relaunch it to resume
+INTERRUPTED_EXIT = 130  # 128 + SIGINT: what a shell reports for Ctrl-C; relaunch to resume
 # SLURM's time-limit warning is the one `--signal` names (SIGUSR1 in Lightning's and our srun
 # examples, SIGUSR2 under submitit); preemption and scancel send SIGTERM.
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+# Ctrl-C (SIGINT) stops the same way; a second Ctrl-C ends the process at once.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 
 
 class Preempted(Exception):
@@ -22,12 +25,17 @@ class Preempted(Exception):
         super().__init__(f"stopped by {signal.Signals(signum).name} at step {step}")
         self.step, self.signum = step, signum
 
+    @property
+    def exit_code(self) -> int:
+        return INTERRUPTED_EXIT if self.signum == signal.SIGINT else PREEMPTED_EXIT
+
 
 class StopRequest:
     """Catches the stop signals and makes every rank agree on the step to stop at.
 
     Ranks get a signal at slightly different moments (or only some get it), so each rank's
-    flag is combined with a MAX all-reduce. The reduce of step ``k`` is started without
+    flags (the signal, and ``diverged``: a non-finite loss seen by this rank) are combined
+    with a MAX all-reduce. The reduce of step ``k`` is started without
     waiting and read at step ``k + 1``, so it overlaps with compute; it runs on a separate
     gloo group, so NCCL runs need no host-device sync for it. Every rank polls at every step,
     hence all see the same answer at the same step.
@@ -35,29 +43,37 @@ class StopRequest:
 
     def __init__(self, timeout: timedelta) -> None:
         self.signum = 0
+        self.diverged = False
         self._previous = {s: signal.signal(s, self._handle) for s in STOP_SIGNALS}
         self._distributed = dist.is_initialized() and dist.get_world_size() > 1
         self._group = dist.new_group(backend="gloo", timeout=timeout) if self._distributed else None
-        self._flag = torch.zeros(1, dtype=torch.int32)
+        self._flag = torch.zeros(2, dtype=torch.int32)
         self._pending: dist.Work | None = None
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        self.signum = signum
+        if signum == signal.SIGINT and self.signum == signal.SIGINT:
+            # A second Ctrl-C: the user does not want to wait for the checkpoint.
+            os.write(2, b"second Ctrl-C: stopping now, without a checkpoint\n")
+            os._exit(INTERRUPTED_EXIT)
+        self.signum = self.signum or signum
 
     def poll(self) -> bool:
-        """Called by every rank at every step boundary: True when all ranks should stop now."""
+        """Called by every rank at every step boundary: True when all ranks should stop now
+        (``signum`` then says why, or ``diverged``)."""
         if not self._distributed:
-            return self.signum != 0
+            return self.signum != 0 or self.diverged
         agreed = False
         if self._pending is not None:
             self._pending.wait()
-            agreed = int(self._flag.item()) != 0
-        self._flag = torch.tensor([self.signum], dtype=torch.int32)
+            signum, diverged = (int(v) for v in self._flag.tolist())
+            agreed = signum != 0 or diverged != 0
+            self.diverged = self.diverged or diverged != 0
+            if signum and not self.signum:
+                self.signum = signum  # another rank got it; stop as one
+        self._flag = torch.tensor([self.signum, int(self.diverged)], dtype=torch.int32)
         self._pending = dist.all_reduce(
             self._flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True
         )
-        if agreed and not self.signum:
-            self.signum = signal.SIGTERM  # another rank got it; stop as one
         return agreed
 
     def close(self, drain: bool = True) -> None:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import math
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +17,7 @@ from omegaconf import OmegaConf
 
 from ddp_utils.config import ConfigError
 from ddp_utils.dist import Runtime, barrier, broadcast_object, read_launch_env
+from ddp_utils.lock import LOCK_NAME, RunLock
 
 LOGGER_NAME = "ddp_recipes"
 log = logging.getLogger(LOGGER_NAME)
@@ -35,21 +39,40 @@ def _default_run_dir(base: Path, run_id: str | None) -> Path:
     return base / time.strftime("%Y-%m-%d_%H-%M-%S")
 
 
-def resolve_run_dir(run_dir: str | None, rt: Runtime) -> Path:
-    """One folder for all ranks: the main rank names and creates it, the others are told.
+@dataclass
+class RunDir:
+    path: Path
+    created: bool  # this job made the folder, so an early failure may remove it again
+    lock: RunLock | None  # the main rank's lock on it
+
+
+def resolve_run_dir(run_dir: str | None, rt: Runtime) -> RunDir:
+    """One folder for all ranks, locked for this job: the main rank names, creates and locks
+    it, the others are told (or told why not: every rank then raises the same error).
 
     Resolving a timestamp on each rank separately would make one folder per rank, so only the
     main rank decides. Every rank must see the folder: ``run_dir`` has to be on a filesystem
     shared by all nodes.
     """
-    path: Path | None = None
+    path, created, lock, error = None, False, None, None
     if rt.is_main:
         run_id = read_launch_env().run_id
         if run_id == "none":  # torchrun without --rdzv-id or --standalone
             run_id = None
         path = Path(run_dir) if run_dir else _default_run_dir(Path("outputs"), run_id)
-        path.mkdir(parents=True, exist_ok=True)
-    path = Path(broadcast_object(str(path) if path else None))
+        try:
+            created = not path.exists()
+            path.mkdir(parents=True, exist_ok=True)
+            lock = RunLock.acquire(path)
+        except ConfigError as e:
+            error = str(e)
+        except OSError as e:
+            error = (f"run_dir={path} cannot be created or written ({e.strerror or e}); choose "
+                     "a writable folder with run_dir=PATH.")  # fmt: skip
+    path, created, error = broadcast_object((str(path) if path else None, created, error))
+    if error:
+        raise ConfigError(error)
+    path = Path(path)
     barrier()
     if not path.is_dir():
         raise ConfigError(
@@ -57,7 +80,24 @@ def resolve_run_dir(run_dir: str | None, rt: Runtime) -> Path:
             "node shares (run_dir=/shared/path/...).",
             rank_specific=True,
         )
-    return path
+    return RunDir(path, created, lock)
+
+
+# What a run writes before it trains: removed again when it fails that early.
+EARLY_FILES = ("train.log", "config.yaml", "env.json", "classes.json", LOCK_NAME)
+
+
+def remove_if_unused(run: RunDir, rt: Runtime) -> None:
+    """After a failure before training: remove the folder this job created, if it holds only
+    the files written so far (never anything else, and never a folder that existed)."""
+    if not (rt.is_main and run.created):
+        return
+    for name in EARLY_FILES:
+        (run.path / name).unlink(missing_ok=True)
+    for extra in run.path.glob("train.rank*.log"):
+        extra.unlink()
+    with contextlib.suppress(OSError):
+        run.path.rmdir()  # fails, keeping it, if anything else is inside
 
 
 class _RankPrefix(logging.Formatter):
@@ -103,10 +143,17 @@ def write_classes(run_dir: Path, classes: list[str] | None, rt: Runtime) -> None
         (run_dir / "classes.json").write_text(json.dumps(classes, indent=1) + "\n")
 
 
+def strict_json(record: dict[str, Any]) -> str:
+    """One JSON line that strict parsers accept: a NaN or infinite value becomes null."""
+    clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v
+             for k, v in record.items()}  # fmt: skip
+    return json.dumps(clean, allow_nan=False)
+
+
 def append_metrics(run_dir: Path, record: dict[str, Any], rt: Runtime) -> None:
     if rt.is_main:
         with open(run_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(strict_json(record) + "\n")
             f.flush()
             os.fsync(f.fileno())
 

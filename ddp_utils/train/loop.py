@@ -14,10 +14,11 @@ from ddp_utils.config import TrainConfig
 from ddp_utils.data import BAD_LABEL, IGNORE_LABEL
 from ddp_utils.dist import Runtime, all_reduce_sum
 from ddp_utils.metrics import evaluate
-from ddp_utils.preemption import PREEMPTED_EXIT, Preempted
+from ddp_utils.preemption import Preempted
 from ddp_utils.run import (
     append_metrics,
     log,
+    remove_if_unused,
     resolve_run_dir,
     seconds_since_process_start,
     setup_logging,
@@ -25,6 +26,7 @@ from ddp_utils.run import (
     write_config,
 )
 from ddp_utils.tracking import peak_memory_mb, write_environment
+from ddp_utils.train.finite import diverged
 from ddp_utils.train.resume import resume, save
 from ddp_utils.train.state import (
     Training,
@@ -68,7 +70,13 @@ def train_step(tr: Training, images: torch.Tensor, labels: torch.Tensor, scale: 
         logits = tr.model(images)
     loss_sum = tr.criterion.loss_sum(logits, targets)
     tr.scaler.scale(loss_sum / n_real.clamp(min=1) * scale).backward()
-    tr.epoch_totals[0] += loss_sum.detach()
+    loss_sum = loss_sum.detach()
+    if tr.scaler.is_enabled():
+        # fp16: GradScaler skips the steps whose loss overflowed; they are not divergence,
+        # so they stay out of the running loss (on the device: no host sync).
+        finite = torch.isfinite(loss_sum)
+        loss_sum, n_real = torch.where(finite, loss_sum, 0.0), torch.where(finite, n_real, 0)
+    tr.epoch_totals[0] += loss_sum
     tr.epoch_totals[1] += n_real
 
 
@@ -115,9 +123,11 @@ def after_step(tr: Training, end_of_epoch: bool) -> None:
                  seconds_since_process_start() or float("nan"))  # fmt: skip
     tr.callbacks.on_step_end(tr)
     if tr.stop.poll():
+        if tr.stop.diverged:
+            raise diverged(tr, "the training loss")
         save(tr)
         stopped = Preempted(tr.step, tr.stop.signum)
-        log.warning("%s: checkpoint written, exiting with code %d", stopped, PREEMPTED_EXIT)
+        log.warning("%s: checkpoint written, exiting with code %d", stopped, stopped.exit_code)
         raise stopped
     every = tr.cfg.trainer.ckpt_every_steps
     if every and tr.step % every == 0 and not end_of_epoch:
@@ -127,6 +137,8 @@ def after_step(tr: Training, end_of_epoch: bool) -> None:
         # This rank's running loss: one host sync per log point, none per step.
         loss_sum, count = tr.epoch_totals[:2].tolist()
         loss, lr = loss_sum / max(count, 1), current_lr(tr)
+        if not math.isfinite(loss):
+            tr.stop.diverged = True  # every rank stops at the next poll, without saving
         tr.progress.report(tr.step, loss, lr)
         tr.tracker.scalars({"train/loss_running": loss, "lr": lr}, tr.step)
 
@@ -151,6 +163,8 @@ def validate(tr: Training, model: nn.Module, prefix: str) -> dict[str, Any]:
 def validate_and_save(tr: Training, train_stats: dict[str, float]) -> dict[str, Any]:
     """Score the epoch on every rank (and the EMA weights), log it, then checkpoint the start
     of the next epoch."""
+    if not math.isfinite(train_stats["train/loss"]):  # all-reduced: the same on every rank
+        raise diverged(tr, "the training loss")
     record = {
         "epoch": tr.epoch, "step": tr.step, "world_size": tr.rt.world_size, "lr": current_lr(tr),
         **train_stats, **validate(tr, tr.raw_model, "val"),
@@ -189,19 +203,27 @@ def fit(cfg: TrainConfig, rt: Runtime, default_run_dir: str | None = None) -> fl
     """
     check_runtime(cfg.trainer, rt)
     cfg = resolve_auto(cfg, rt)
-    run_dir = resolve_run_dir(cfg.run_dir or default_run_dir, rt)
-    setup_logging(run_dir, rt, "train")
-    tr = build_training(cfg, rt, run_dir)
+    run = resolve_run_dir(cfg.run_dir or default_run_dir, rt)
     try:
-        record = train_epochs(tr)
-    except BaseException:
-        tr.close(drain=False)  # a rank may be gone: do not wait on it again
-        raise
-    tr.close()
-    if rt.is_main and (run_dir / "metrics.jsonl").exists():
+        try:
+            setup_logging(run.path, rt, "train")
+            tr = build_training(cfg, rt, run.path)
+        except BaseException:
+            remove_if_unused(run, rt)  # a failure before training leaves no empty run_dir
+            raise
+        try:
+            record = train_epochs(tr)
+        except BaseException:
+            tr.close(drain=False)  # a rank may be gone: do not wait on it again
+            raise
+        tr.close()
+    finally:
+        if run.lock is not None:
+            run.lock.release()
+    if rt.is_main and (run.path / "metrics.jsonl").exists():
         from ddp_utils.plot import plot_runs  # matplotlib: imported only when drawing
 
-        plot_runs([run_dir], run_dir / "curves.png")
+        plot_runs([run.path], run.path / "curves.png")
     return float(record.get("val/accuracy", float("nan")))
 
 

@@ -21,6 +21,7 @@ from ddp_utils.train.checkpoint import (
     save_training_checkpoint,
     step_checkpoints,
 )
+from ddp_utils.train.finite import check_state
 from ddp_utils.train.rng import capture_rng, restore_rng, seed_everything
 
 if TYPE_CHECKING:
@@ -71,6 +72,7 @@ def save(tr: Training, also: tuple[str, ...] = ()) -> None:
     """Checkpoint from every rank's state; the main rank writes it (and publishes it as each
     name in ``also``, such as best.pt), everyone waits for it."""
     state = checkpoint_state(tr)
+    check_state(tr, state["epoch_totals"][0])  # nothing non-finite is ever written
     ckpt_dir = tr.run_dir / "checkpoints"
     path = save_training_checkpoint(state, ckpt_dir, also, tr.cfg.trainer.keep_last, tr.rt)
     tr.callbacks.on_checkpoint(tr, path)

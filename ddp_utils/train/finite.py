@@ -1,0 +1,53 @@
+"""Stopping a diverged run: a non-finite loss or weight ends it, and is never checkpointed."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import torch
+
+from ddp_utils.config import ConfigError
+from ddp_utils.train.checkpoint import step_checkpoints
+
+if TYPE_CHECKING:
+    from ddp_utils.train.state import Training
+
+DIVERGED_EXIT = 3
+
+
+class NonFiniteError(ConfigError):
+    """The loss or the weights became NaN or infinite: the hyper-parameters need a change."""
+
+    exit_code = DIVERGED_EXIT
+
+
+def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
+    """One host sync for any number of tensors (only floating ones can hold NaN or inf)."""
+    flags = [torch.isfinite(t).all() for t in tensors if t.is_floating_point()]
+    return bool(torch.stack(flags).all()) if flags else True
+
+
+def diverged(tr: Training, what: str) -> NonFiniteError:
+    """The one message of a diverged run: where, the last good checkpoint, and what to try."""
+    saved = step_checkpoints(tr.run_dir / "checkpoints")
+    last = f"{saved[-1]}" if saved else "none (the run has no checkpoint yet)"
+    t = tr.cfg.trainer
+    return NonFiniteError(
+        f"{what} is not finite (NaN or inf) at step {tr.step}, epoch {tr.epoch}: the run "
+        f"stopped, and nothing non-finite was saved. Last good checkpoint: {last}. Try a lower "
+        f"optim.lr (now {tr.cfg.optim.lr:g}), trainer.grad_clip=1.0 (now {t.grad_clip}) or "
+        f"trainer.precision=32 (now {t.precision}); relaunching in this run_dir continues from "
+        "the last good checkpoint."
+    )
+
+
+def check_state(tr: Training, loss_sum: torch.Tensor) -> None:
+    """Before a checkpoint (every rank: DDP's weights and the all-reduced loss are the same on
+    all of them, so all raise together)."""
+    if not all_finite([loss_sum]):
+        raise diverged(tr, "the training loss")
+    weights = list(tr.raw_model.state_dict().values())
+    weights += list(tr.ema.state_dict().values()) if tr.ema is not None else []
+    if not all_finite(weights):
+        raise diverged(tr, "a model weight")
