@@ -14,7 +14,6 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from ddp_utils.dist import shutdown
 from ddp_utils.entry import clean_exit, register, user_errors
-from ddp_utils.evaluation import run_eval
 
 register()
 
@@ -23,6 +22,8 @@ register()
 @hydra.main(version_base=None, config_path="conf", config_name="eval")
 @record  # torchrun then reports the failing rank's traceback
 def main(cfg: DictConfig) -> float:
+    from ddp_utils.evaluation import run_eval  # here: --help and mistakes answer sooner
+
     with clean_exit():
         try:
             return run_eval(cfg)["accuracy"]

@@ -39,6 +39,15 @@ class ConfigError(ValueError):
         self.rank_specific = rank_specific
 
 
+def whole_sentences(text: str, limit: int = 240) -> str:
+    """``text`` if short, else its leading whole sentences within ``limit`` (never a cut
+    mid-sentence); empty when even the first sentence is longer."""
+    if len(text) <= limit:
+        return text
+    end = text.rfind(". ", 0, limit)
+    return text[: end + 1] if end > 0 else ""
+
+
 @dataclass
 class ModelConfig:
     # What builds the model (a class or function, built with hydra.utils.instantiate); it is

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 import os
 import re
 import sys
@@ -23,6 +24,7 @@ from omegaconf.errors import OmegaConfBaseException
 from ddp_utils.config import ConfigError, register_configs
 from ddp_utils.dist import read_launch_env
 from ddp_utils.preemption import INTERRUPTED_EXIT, Preempted, pass_on
+from ddp_utils.run import log_to_files
 from ddp_utils.sweep import in_sweep, register_sweep_configs
 
 USER_ERROR_EXIT = 2
@@ -40,14 +42,16 @@ def register() -> None:
 
 
 def report(message: str, exit_code: int, rank_specific: bool = False) -> None:
-    """Print a user-facing error once (global rank 0, or every rank for a rank's own error)
-    and exit. Under torchrun it also becomes the error file that ``record`` would write, so
-    torchrun's failure summary shows this line as the root cause, not a traceback."""
+    """Report a user-facing error once (global rank 0, or every rank for a rank's own error)
+    and exit. Under torchrun it becomes the error file that ``record`` would write, so that
+    torchrun's failure summary shows this line as the root cause (instead of a traceback, and
+    instead of printing it here as well); elsewhere it is printed."""
     rank = read_launch_env().rank
     if rank == 0 or rank_specific:
-        prefix = f"[rank {rank}] " if rank else ""
-        print(f"{prefix}error: {message}", file=sys.stderr, flush=True)
-        write_error_file(f"error: {message}")
+        log_to_files(logging.ERROR, message)  # train.log keeps it with the run
+        line = f"[rank {rank}] error: {message}" if rank else f"error: {message}"
+        if not write_error_file(line):
+            print(line, file=sys.stderr, flush=True)
     else:
         # torchrun stops the whole group as soon as one worker exits: give rank 0 time to
         # print the shared message (and be the first failure) first.
@@ -55,13 +59,18 @@ def report(message: str, exit_code: int, rank_specific: bool = False) -> None:
     sys.exit(exit_code)
 
 
-def write_error_file(message: str) -> None:
+def write_error_file(message: str) -> bool:
+    """torchrun's error file for this worker (the format ``record`` writes); False if none."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path or os.path.exists(path):
-        return
+        return False
     extra = {"py_callstack": message, "timestamp": str(int(time.time()))}
-    with contextlib.suppress(OSError), open(path, "w") as f:
-        json.dump({"message": {"message": message, "extraInfo": extra}}, f)
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": {"message": message, "extraInfo": extra}}, f)
+    except OSError:
+        return False
+    return True
 
 
 @contextlib.contextmanager

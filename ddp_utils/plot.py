@@ -1,6 +1,6 @@
 """Pictures of runs: loss and accuracy curves, and a confusion matrix.
 
-    python -m ddp_utils.plot RUN_DIR [RUN_DIR ...] [--out curves.png]
+    python -m ddp_utils.plot RUN_DIR [RUN_DIR ...] [--out curves_compared.png]
 
 A directory without ``metrics.jsonl`` (a sweep) stands for all the runs inside it.
 """
@@ -76,12 +76,14 @@ def plot_confusion_matrix(matrix: list[list[int]], out: Path) -> Path:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m ddp_utils.plot", description=__doc__)
     p.add_argument("paths", nargs="+", type=Path, help="run directories or sweep directories")
-    p.add_argument("--out", type=Path, default=None, help="default: <first path>/curves.png")
+    # Not into a run: each run's own curves.png is train.py's, redrawn when it ends.
+    p.add_argument("--out", type=Path, default=Path("curves_compared.png"),
+                   help="the picture to write (default: ./curves_compared.png)")  # fmt: skip
     args = p.parse_args(argv)
     runs = expand(args.paths)
     if not runs:
         p.error(f"no metrics.jsonl in or under {', '.join(map(str, args.paths))}")
-    out = plot_runs(runs, args.out or args.paths[0] / "curves.png")
+    out = plot_runs(runs, args.out)
     print(f"{len(runs)} run(s) drawn into {out}")
 
 

@@ -91,5 +91,5 @@ def pass_on(signum: int) -> None:
     installed before ours, if any: under submitit that handler requeues the job (from global
     rank 0) and exits. With no such handler (plain torchrun, srun) this does nothing."""
     handler = signal.getsignal(signum)
-    if callable(handler):
+    if callable(handler) and handler is not signal.default_int_handler:  # not KeyboardInterrupt
         handler(signum, None)

@@ -132,6 +132,13 @@ def setup_logging(run_dir: Path | None, rt: Runtime, name: str = "train") -> log
     return log
 
 
+def log_to_files(level: int, message: str) -> None:
+    """Into this rank's log files only (the console already shows the message)."""
+    for h in log.handlers:
+        if isinstance(h, logging.FileHandler):
+            h.handle(log.makeRecord(log.name, level, __file__, 0, message, None, None))
+
+
 def write_config(run_dir: Path, cfg: Any, rt: Runtime) -> None:
     if rt.is_main:
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))

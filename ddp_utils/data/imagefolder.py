@@ -23,7 +23,7 @@ from torch.utils.data import Dataset
 from torchvision.io import ImageReadMode, decode_image, read_file
 from torchvision.transforms.v2 import functional as TF
 
-from ddp_utils.config import ConfigError, DataConfig
+from ddp_utils.config import ConfigError, DataConfig, whole_sentences
 from ddp_utils.data.cache import cache_path, cached, read_cache
 from ddp_utils.data.samplers import BAD_LABEL
 from ddp_utils.dist import Runtime, any_rank, broadcast_object
@@ -244,15 +244,16 @@ class ImageFolderSource(Dataset):
         try:
             return decode(path, self.channels), int(self.index.labels[i])
         except (RuntimeError, OSError, ValueError) as e:
-            reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            last_line = str(e).strip().splitlines()[-1] if str(e).strip() else ""
+            reason = whole_sentences(last_line) or type(e).__name__
             if not self.skip_bad:
                 raise BadImageError(
-                    f"cannot read the image {path} ({reason[:200]}). Replace or delete the "
+                    f"cannot read the image {path} ({reason}). Replace or delete the "
                     "file, or set data.skip_bad_images=true to skip unreadable images."
                 ) from None
             if path not in self.warned:  # once per file in each worker process
                 self.warned.add(path)
-                log.warning("skipping the unreadable image %s (%s)", path, reason[:200])
+                log.warning("skipping the unreadable image %s (%s)", path, reason)
             return torch.zeros(self.channels, self.size, self.size, dtype=torch.uint8), BAD_LABEL
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -11,20 +12,25 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddp_utils.config import ConfigError
+from ddp_utils.config import ConfigError, whole_sentences
 from ddp_utils.dist import Runtime, barrier
 from ddp_utils.files import atomic_save, atomic_write
 
 
-def publish(src: Path, dst: Path) -> None:
-    """Make ``dst`` name the same complete file as ``src``, atomically (a hard link, or a copy
-    where the filesystem has none)."""
+def publish(src: Path, dst: Path, copy: bool = False) -> None:
+    """Make ``dst`` hold the same complete file as ``src``, atomically: a hard link (the same
+    file), or with ``copy`` (or where the filesystem has no links) a file of its own."""
+    if copy:
+        with open(src, "rb") as f:
+            atomic_write(dst, lambda out: shutil.copyfileobj(f, out, 1 << 22))
+        return
     tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")  # unique per writer
     tmp.unlink(missing_ok=True)
     try:
         os.link(src, tmp)
     except OSError:
-        atomic_write(tmp, lambda f: f.write(src.read_bytes()))
+        publish(src, dst, copy=True)
+        return
     os.replace(tmp, dst)
 
 
@@ -36,14 +42,16 @@ def step_checkpoints(ckpt_dir: Path) -> list[Path]:
 def save_training_checkpoint(
     state: dict[str, Any], ckpt_dir: Path, also: tuple[str, ...], keep_last: int, rt: Runtime
 ) -> Path:
-    """Main rank: write ``step_<N>.pt``, point ``last.pt`` (and each name in ``also``, such as
-    ``best.pt``) at it, drop all but the newest ``keep_last`` step files. Every rank waits
-    until that is done."""
+    """Main rank: write ``step_<N>.pt``, point ``last.pt`` at it (a hard link: the newest step
+    file, which resume reads first, is the same file), copy it to each name in ``also`` (such
+    as ``best.pt``: a file of its own, so damage to last.pt or a step file leaves it whole),
+    drop all but the newest ``keep_last`` step files. Every rank waits until that is done."""
     path = ckpt_dir / f"step_{state['step']:08d}.pt"
     if rt.is_main:
         atomic_save(state, path)
-        for name in ("last.pt", *also):
-            publish(path, ckpt_dir / name)
+        publish(path, ckpt_dir / "last.pt")
+        for name in also:
+            publish(path, ckpt_dir / name, copy=True)
         for old in step_checkpoints(ckpt_dir)[:-keep_last]:
             old.unlink()
     barrier()
@@ -53,30 +61,42 @@ def save_training_checkpoint(
 def newest_loadable(
     ckpt_dir: Path, warn: Callable[[str], None]
 ) -> tuple[Path, dict[str, Any]] | None:
-    """The newest checkpoint in ``ckpt_dir`` that loads, with its contents; torn ones are
-    skipped with a warning. An unsafe file is not skipped: it raises, since someone put it
-    there."""
+    """The newest checkpoint in ``ckpt_dir`` that loads, with its contents; a torn one is
+    skipped with a warning. None when there is none at all; when there are some but none
+    loads, ConfigError with what was tried (training over the run would lose it). An unsafe
+    file is not skipped: it raises, since someone put it there."""
     candidates = list(reversed(step_checkpoints(ckpt_dir)))
     if not candidates and (ckpt_dir / "last.pt").is_file():
         candidates = [ckpt_dir / "last.pt"]
+    tried = []
     for path in candidates:
         try:
             return path, load_checkpoint(path)
         except CorruptCheckpointError as e:
             warn(f"skipping a checkpoint that does not load: {e}")
-    return None
+            tried.append(f"{path.name} ({e.reason})")
+    if not tried:
+        return None
+    others = sorted(p.name for p in ckpt_dir.glob("*.pt") if p not in candidates)
+    also = f" Other files there: {', '.join(others)}." if others else ""
+    raise ConfigError(
+        f"resume=auto found checkpoints in {ckpt_dir} but none loads: {'; '.join(tried)}.{also} "
+        "Nothing was trained over them. Resume from a file you trust with resume=PATH, or "
+        "start a new run with resume=never and another run_dir=PATH."
+    )
 
 
-def _first_line(e: BaseException) -> str:
+def _summary(e: BaseException) -> str:
+    """What went wrong: the first line of the error, in whole sentences, else its type."""
     text = str(e).strip()
-    return text.splitlines()[0][:200] if text else type(e).__name__
+    return whole_sentences(text.splitlines()[0] if text else "") or type(e).__name__
 
 
 def _blocked_global(e: BaseException) -> str:
     for line in str(e).splitlines():
         if "Unsupported global" in line or "GLOBAL" in line:
-            return line.strip()[:200]
-    return _first_line(e)
+            return whole_sentences(line.strip()) or "an unsupported global"
+    return _summary(e)
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
@@ -108,11 +128,17 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
 class CorruptCheckpointError(ConfigError):
     """A checkpoint that is torn or unreadable (as opposed to unsafe or missing)."""
 
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
 
 def _corrupt(path: Path, e: BaseException) -> ConfigError:
+    reason = _summary(e)
     return CorruptCheckpointError(
-        f"checkpoint={path} is corrupt or truncated ({_first_line(e)}); use another "
-        "checkpoint of the run (last.pt, best.pt) or train again."
+        f"checkpoint={path} is corrupt or truncated ({reason}). Use another checkpoint of the "
+        "run (last.pt, best.pt) or train again.",
+        reason,
     )
 
 
@@ -122,7 +148,7 @@ def load_model_state(model: nn.Module, state: dict[str, Any], where: str, fix: s
         model.load_state_dict(state)
     except RuntimeError as e:
         lines = [line.strip() for line in str(e).splitlines()[1:] if line.strip()]
-        detail = (lines[0] if lines else _first_line(e))[:240]
+        detail = (whole_sentences(lines[0]) if lines else "") or _summary(e)
         raise ConfigError(
             f"{where} does not fit the model built from the config ({detail}). {fix}"
         ) from None

@@ -127,7 +127,8 @@ def after_step(tr: Training, end_of_epoch: bool) -> None:
             raise diverged(tr, "the training loss")
         save(tr)
         stopped = Preempted(tr.step, tr.stop.signum)
-        log.warning("%s: checkpoint written, exiting with code %d", stopped, stopped.exit_code)
+        if tr.rt.is_main:  # one line: every rank stops at this same step
+            log.warning("%s: checkpoint written, exiting with code %d", stopped, stopped.exit_code)
         raise stopped
     every = tr.cfg.trainer.ckpt_every_steps
     if every and tr.step % every == 0 and not end_of_epoch:

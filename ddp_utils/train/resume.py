@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -134,6 +135,7 @@ def resume(tr: Training) -> None:
     if error:
         raise ConfigError(error)
     if path is None:
+        set_aside_metrics(tr.run_dir / "metrics.jsonl", tr.rt)
         return
     ckpt = picked[1] if picked else load_checkpoint(path)
     refused, allowed = config_changes(ckpt["config"], tr.cfg)
@@ -211,6 +213,16 @@ def restore(tr: Training, ckpt: dict[str, Any]) -> None:
     else:
         # Another world size: no rank's stream carries over; derive fresh, distinct ones.
         seed_everything(tr.cfg.seed + 1_000_003 * (tr.step + 1) + tr.rt.rank)
+
+
+def set_aside_metrics(path: Path, rt: Runtime) -> None:
+    """A fresh start in a run_dir that holds records but no checkpoint (killed before its
+    first one, or its checkpoints deleted): keep the old records under another name, so the
+    new run never logs an epoch a second time in metrics.jsonl."""
+    if rt.is_main and path.exists() and path.stat().st_size > 0:
+        old = path.with_name(f"metrics.{time.strftime('%Y%m%d-%H%M%S')}.jsonl.old")
+        path.rename(old)
+        log.warning("no checkpoint to continue: the earlier metrics.jsonl is now %s", old.name)
 
 
 def trim_metrics(path: Path, step: int, rt: Runtime) -> None:

@@ -1,0 +1,40 @@
+"""torchrun with the workers' exit codes and no traceback of its own.
+
+    python -m ddp_utils.launch --standalone --nproc_per_node=2 train.py optim.lr=0.1
+    ddp-run --standalone --nproc_per_node=2 train.py optim.lr=0.1      (the same, installed)
+
+It takes torchrun's arguments and runs torchrun. Two things differ, both at the end:
+- a failed worker: torchrun exits 1 whatever the worker said; this exits with the root
+  cause's own code (2 a user error, 3 a diverged run, 75 stopped on request, 130 Ctrl-C) and
+  prints torchrun's failure summary without torchrun's Python traceback;
+- a stop signal to torchrun itself (Ctrl-C, SIGTERM): torchrun forwards it to the workers,
+  which checkpoint and stop, then prints a traceback of its own SignalException; this exits
+  quietly with 128 + the signal's number (130 for Ctrl-C, 143 for SIGTERM).
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+from torch.distributed.elastic.multiprocessing import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.run import main as torchrun
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        torchrun(argv)
+    except SignalException as e:
+        name = signal.Signals(e.sigval).name
+        print(f"torchrun stopped by {name}: the workers were told to stop too (their log says "
+              "where they checkpointed); relaunch the same command to resume.", file=sys.stderr)  # fmt: skip
+        sys.exit(128 + int(e.sigval))
+    except ChildFailedError as e:
+        _, failure = e.get_first_failure()
+        print(e.format_msg(), file=sys.stderr)
+        sys.exit(failure.exitcode if 0 < failure.exitcode < 256 else 1)
+
+
+if __name__ == "__main__":
+    main()

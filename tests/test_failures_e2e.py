@@ -1,0 +1,161 @@
+"""The failures users hit, with real processes: two launches into one run_dir, a diverging
+run, mistakes on the command line, a run that fails before training."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import ROOT, child_env, command, read_metrics, run_script, start_script
+
+from ddp_utils.train.finite import DIVERGED_EXIT
+
+RUN = ("trainer.epochs=2", "data.batch_size=10", "trainer.ckpt_every_steps=10")
+DDP_RUN = [sys.executable, "-m", "ddp_utils.launch"]
+
+
+def strict_json_lines(path):
+    def refuse(name):
+        raise ValueError(f"not strict JSON: {name}")
+
+    return [json.loads(line, parse_constant=refuse) for line in path.read_text().splitlines()]
+
+
+def test_one_job_per_run_dir_and_a_killed_holder_does_not_block(tmp_path):
+    run = tmp_path / "run"
+    first = start_script("train.py", *RUN, f"run_dir={run}")
+    second = start_script("train.py", *RUN, f"run_dir={run}")  # the double submit
+    started = time.time()
+    # One of the two gets the lock; the other is refused within seconds, before it writes.
+    while first.poll() is None and second.poll() is None:
+        time.sleep(0.05)
+    loser, winner = (first, second) if first.poll() is not None else (second, first)
+    out, err = loser.communicate()
+    assert loser.returncode == 2, out + err
+    assert time.time() - started < 60 and winner.poll() is None
+    assert f"run_dir={run} is in use by another job" in err and f"pid {winner.pid}" in err
+    assert err.count("error:") == 1 and "Traceback" not in err
+    # The holder dies without a chance to clean up: the next launch is not blocked.
+    while not list((run / "checkpoints").glob("step_*.pt")):
+        assert winner.poll() is None, winner.communicate()
+        time.sleep(0.05)
+    winner.kill()
+    winner.communicate()
+    proc = run_script("train.py", *RUN, f"run_dir={run}")
+    assert "resumed from" in proc.stdout
+    assert [r["epoch"] for r in read_metrics(run)] == [0, 1]
+
+
+def test_a_diverging_run_stops_with_one_message_and_saves_nothing_non_finite(tmp_path):
+    run = tmp_path / "run"
+    cmd = [*DDP_RUN, "--standalone", "--nproc_per_node=2", str(ROOT / "train.py"), *RUN,
+           "optim.lr=1e30", "trainer.log_every_steps=5", f"run_dir={run}"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == DIVERGED_EXIT, out
+    assert out.count("the training loss is not finite") == 1, out
+    assert "Try a lower optim.lr (now 1e+30)" in out and "Traceback" not in out
+    for path in (run / "checkpoints").glob("*.pt") if (run / "checkpoints").exists() else []:
+        state = torch.load(path, weights_only=True)["model"]
+        assert all(torch.isfinite(t).all() for t in state.values() if t.is_floating_point())
+    if (run / "metrics.jsonl").exists():
+        for record in strict_json_lines(run / "metrics.jsonl"):
+            assert all(not isinstance(v, float) or math.isfinite(v) for v in record.values())
+
+
+MISTAKES = {
+    "optim.lrr=0.1": "Key 'lrr' not in 'OptimConfig'",
+    "+optim.lrr=0.1": "optim.lrr is not a key of this config",
+    "trainer.epochs=abc": "trainer.epochs=abc: Value 'abc'",
+    "model=resnet50x": "model=resnet50x is not an option; the options of model are: convnet",
+    "model=model_schema": "model=model_schema is not an option",
+    "run_dir=FILE/run": "cannot be created or written (Not a directory)",
+}
+
+
+def test_every_mistake_is_one_paragraph_and_exit_code_2(tmp_path):
+    afile = tmp_path / "a_file"
+    afile.write_text("")
+    procs = {}
+    for override in MISTAKES:  # all at once: each is mostly interpreter start-up
+        arg = override.replace("FILE", str(afile))
+        procs[override] = subprocess.Popen(
+            command("train.py", (arg,), None), cwd=ROOT, env=child_env(),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+    for override, proc in procs.items():
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 2, (override, out, err)
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("error: "), (override, err)
+        assert MISTAKES[override] in lines[0], (override, lines[0])
+    assert not (afile / "run").exists()
+
+
+def test_under_torchrun_a_mistake_and_cfg_print_once(tmp_path):
+    proc = run_script("train.py", "optim.lrr=0.1", nproc=2, check=False)
+    assert proc.returncode != 0
+    # The line is torchrun's root cause (the error file), not a traceback, and it is there once.
+    assert (proc.stdout + proc.stderr).count("Key 'lrr' not in 'OptimConfig'") == 1
+    assert "traceback : error: Could not override 'optim.lrr'" in proc.stderr
+    proc = run_script("train.py", "--cfg", "job", nproc=2)
+    assert proc.stdout.count("optim:") == 1
+    proc = run_script("train.py", "--help")
+    assert "model: convnet, custom, mlp" in proc.stdout and "schema" not in proc.stdout
+    assert "optim.lr=0.1" in proc.stdout and "--cfg job" in proc.stdout
+
+
+def test_a_run_that_fails_before_training_leaves_no_run_dir(tmp_path):
+    run = tmp_path / "new_run"
+    proc = run_script("train.py", "data=imagefolder", f"data.root={tmp_path}/missing",
+                      f"run_dir={run}", check=False)  # fmt: skip
+    assert proc.returncode == 2 and "data.root" in proc.stderr
+    assert not run.exists()
+
+
+def test_sigint_to_a_plain_process_checkpoints_and_exits_130(tmp_path):
+    proc = start_script("train.py", *RUN, f"run_dir={tmp_path}")
+    while not list((tmp_path / "checkpoints").glob("step_*.pt")):
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGINT)  # Ctrl-C in a terminal
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out + err
+    assert "stopped by SIGINT at step" in out and "Traceback" not in err + out
+
+
+def test_the_multi_run_plot_writes_where_out_says(tmp_path):
+    from ddp_utils.plot import main
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(
+        json.dumps({"epoch": 0, "step": 5, "train/loss": 1.0, "val/loss": None,
+                    "val/accuracy": 0.5}) + "\n"  # fmt: skip
+    )
+    (run / "curves.png").write_bytes(b"the run's own")
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        main([str(run)])
+    finally:
+        os.chdir(cwd)
+    assert (run / "curves.png").read_bytes() == b"the run's own"
+    assert (tmp_path / "curves_compared.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("value, expected", [(float("nan"), None), (float("inf"), None), (1.5, 1.5)])
+def test_metrics_lines_are_strict_json(value, expected):
+    from ddp_utils.run import strict_json
+
+    assert json.loads(strict_json({"train/loss": value, "epoch": 0})) == {
+        "train/loss": expected, "epoch": 0,
+    }  # fmt: skip
