@@ -27,8 +27,11 @@ def main(argv: list[str] | None = None) -> None:
         torchrun(argv)
     except SignalException as e:
         name = signal.Signals(e.sigval).name
-        print(f"torchrun stopped by {name}: the workers were told to stop too (their log says "
-              "where they checkpointed); relaunch the same command to resume.", file=sys.stderr)  # fmt: skip
+        print(
+            f"torchrun stopped by {name}: the workers were told to stop too (their log says "
+            "where they checkpointed); relaunch the same command to resume.",
+            file=sys.stderr,
+        )
         sys.exit(128 + int(e.sigval))
     except ChildFailedError as e:
         _, failure = e.get_first_failure()

@@ -138,8 +138,10 @@ def test_the_multi_run_plot_writes_where_out_says(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     (run / "metrics.jsonl").write_text(
-        json.dumps({"epoch": 0, "step": 5, "train/loss": 1.0, "val/loss": None,
-                    "val/accuracy": 0.5}) + "\n"  # fmt: skip
+        json.dumps(
+            {"epoch": 0, "step": 5, "train/loss": 1.0, "val/loss": None, "val/accuracy": 0.5}
+        )
+        + "\n"  # fmt: skip
     )
     (run / "curves.png").write_bytes(b"the run's own")
     cwd = os.getcwd()
@@ -152,7 +154,7 @@ def test_the_multi_run_plot_writes_where_out_says(tmp_path):
     assert (tmp_path / "curves_compared.png").stat().st_size > 0
 
 
-@pytest.mark.parametrize("value, expected", [(float("nan"), None), (float("inf"), None), (1.5, 1.5)])
+@pytest.mark.parametrize("value, expected", [(math.nan, None), (math.inf, None), (1.5, 1.5)])
 def test_metrics_lines_are_strict_json(value, expected):
     from ddp_utils.run import strict_json
 
