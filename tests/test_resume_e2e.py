@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
 import torch
 from callbacks import both, fault, recorder
 from conftest import (
+    ROOT,
     assert_same_params,
+    child_env,
     params,
     read_metrics,
     recorded_samples,
@@ -71,6 +76,46 @@ def test_sigterm_to_torchrun_checkpoints_the_stop_step_and_relaunch_matches(refe
     assert ckpt["step"] == stop_step and stop_step < 144
     run_script("train.py", *args, nproc=2)  # the same command again resumes and finishes
     assert_same_params(params(tmp_path), params(reference))
+
+
+def test_ctrl_c_to_the_launcher_group_checkpoints_and_relaunch_matches(reference, tmp_path):
+    """SIGINT to the launcher's process group, as a terminal's Ctrl-C sends it."""
+    args = (*RUN, f"run_dir={tmp_path}")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ddp_utils.launch", "--standalone", "--nproc_per_node=2",
+         str(ROOT / "train.py"), *args],
+        cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    _wait_for(lambda: list((tmp_path / "checkpoints").glob("step_*.pt")), proc)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, _ = proc.communicate(timeout=90)
+    assert proc.returncode == 130, out
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out
+    assert out.count("stopped by SIGINT at step") == 1, out
+    stop_step = int(out.split("stopped by SIGINT at step ")[1].split(":")[0])
+    ckpt = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)
+    assert ckpt["step"] == stop_step < 144
+    run_script("train.py", *args, nproc=2)
+    assert_same_params(params(tmp_path), params(reference))
+
+
+def test_no_loadable_checkpoint_stops_with_the_list_and_best_survives(reference, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    ckpts = run / "checkpoints"
+    for step_file in ckpts.glob("step_*.pt"):
+        step_file.unlink()
+    last = ckpts / "last.pt"
+    last.write_bytes(last.read_bytes()[:1000])  # truncated
+    assert torch.load(ckpts / "best.pt", weights_only=True)["epoch"] == 2  # its own file
+    metrics = (run / "metrics.jsonl").read_text()
+    proc = run_script("train.py", *RUN, "trainer.epochs=3", f"run_dir={run}", check=False)
+    assert proc.returncode == 2, proc.stderr
+    (line,) = [x for x in proc.stderr.splitlines() if x.startswith("error: ")]
+    assert "found checkpoints" in line and "last.pt (" in line and "resume=PATH" in line
+    assert "Other files there: best.pt" in line
+    assert (run / "metrics.jsonl").read_text() == metrics
 
 
 def test_sigterm_exit_code_of_a_plain_process(tmp_path):
