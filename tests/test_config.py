@@ -67,6 +67,41 @@ def test_unknown_key_fails_naming_it():
     assert "epoch" in str(e.value) + str(e.value.__cause__)
 
 
+@pytest.mark.parametrize("override", ["+optim.lrr=0.1", "+trainer.foo.bar=1", "+nope=1",
+                                      "+model.depth=3"])  # fmt: skip
+def test_a_key_added_with_plus_that_the_schema_lacks_is_refused(override):
+    key = override[1:].split("=")[0]
+    with pytest.raises(ConfigError, match=f"{key.split('.foo')[0]}"):
+        to_schema(compose_train(override))
+
+
+def test_plus_keys_are_the_arguments_of_a_custom_target():
+    cfg = to_schema(compose_train("model=custom", "model._target_=m.Net", "+model.depth=3"))
+    assert cfg.model.kwargs == {"depth": 3}
+
+
+def test_job_identity_is_what_survives_restarts_and_requeues():
+    from ddp_utils.lock import job_identity
+
+    assert job_identity({"SLURM_JOB_ID": "42", "TORCHELASTIC_RUN_ID": "x"}) == "slurm:42"
+    torchrun = {"RANK": "0", "WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "abc"}
+    assert job_identity(torchrun) == "torchrun:abc"
+    assert job_identity({}).startswith("process:")
+
+
+def test_hydra_errors_read_as_one_paragraph():
+    from ddp_utils.entry import hydra_error_paragraph
+
+    for override, expected in [
+        ("optim.lrr=1", "Key 'lrr' not in 'OptimConfig'. Check the spelling"),
+        ("model=nope", "model=nope is not an option; the options of model are: convnet"),
+    ]:
+        with pytest.raises(ConfigCompositionException) as e:
+            compose_train(override)
+        text = hydra_error_paragraph(e.value)
+        assert expected in text and "\n" not in text and "+optim" not in text
+
+
 def test_wrong_type_fails_naming_the_key():
     with pytest.raises((ConfigCompositionException, ValidationError, ConfigKeyError)) as e:
         compose_train("optim.lr=fast")
