@@ -335,10 +335,12 @@ def collect_target_kwargs(cfg: DictConfig, schema: type = TrainConfig) -> None:
     if unknown:
         key = unknown[0]
         group = key.split(".")[0]
-        hint = (f" +{group}.NAME=VALUE arguments are for {group}=custom."
-                if group in ("data", "model") else "")  # fmt: skip
+        where, hint = "this config", ""
+        if group in ("data", "model"):
+            where = f"{group}={cfg[group].get('name')}"
+            hint = f" +{group}.NAME=VALUE arguments are for {group}=custom."
         raise ConfigError(
-            f"{key} is not a key of this config; check its spelling (python train.py --cfg job "
+            f"{key} is not a key of {where}; check its spelling (python train.py --cfg job "
             f"lists every key).{hint}"
         )
 

@@ -42,16 +42,15 @@ def register() -> None:
 
 
 def report(message: str, exit_code: int, rank_specific: bool = False) -> None:
-    """Report a user-facing error once (global rank 0, or every rank for a rank's own error)
-    and exit. Under torchrun it becomes the error file that ``record`` would write, so that
-    torchrun's failure summary shows this line as the root cause (instead of a traceback, and
-    instead of printing it here as well); elsewhere it is printed."""
+    """Print a user-facing error once (global rank 0, or every rank for a rank's own error)
+    and exit. Under torchrun it also becomes the error file that ``record`` would write, so
+    that torchrun's failure summary shows this line as the root cause, not a traceback."""
     rank = read_launch_env().rank
     if rank == 0 or rank_specific:
         log_to_files(logging.ERROR, message)  # train.log keeps it with the run
         line = f"[rank {rank}] error: {message}" if rank else f"error: {message}"
-        if not write_error_file(line):
-            print(line, file=sys.stderr, flush=True)
+        print(line, file=sys.stderr, flush=True)
+        write_error_file(line)
     else:
         # torchrun stops the whole group as soon as one worker exits: give rank 0 time to
         # print the shared message (and be the first failure) first.

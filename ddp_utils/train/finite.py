@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -22,10 +22,19 @@ class NonFiniteError(ConfigError):
     exit_code = DIVERGED_EXIT
 
 
-def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
-    """One host sync for any number of tensors (only floating ones can hold NaN or inf)."""
-    flags = [torch.isfinite(t).all() for t in tensors if t.is_floating_point()]
+def all_finite(tensors: Iterable[Any]) -> bool:
+    """One host sync for any number of tensors, also inside nested dicts (only floating ones
+    can hold NaN or inf)."""
+    flags = [torch.isfinite(t).all() for t in _tensors(tensors) if t.is_floating_point()]
     return bool(torch.stack(flags).all()) if flags else True
+
+
+def _tensors(items: Iterable[Any]) -> Iterator[torch.Tensor]:
+    for item in items:
+        if isinstance(item, torch.Tensor):
+            yield item
+        elif isinstance(item, dict):
+            yield from _tensors(item.values())
 
 
 def diverged(tr: Training, what: str) -> NonFiniteError:
