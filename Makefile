@@ -22,8 +22,8 @@ install: $(STAMP)  ## create .venv and install the project with its dev tools, t
 train: $(STAMP)  ## train on the embedded digits with NPROC (default 2) processes; ARGS= for overrides
 	$(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) train.py $(ARGS)
 
-test: $(STAMP)  ## run the whole test suite
-	$(BIN)/python -m pytest $(ARGS)
+test: $(STAMP)  ## run the whole test suite (one test file per CPU at a time)
+	$(BIN)/python -m pytest -n auto --dist loadfile $(ARGS)
 
 bench: $(STAMP)  ## speed: tutorial loop vs train.py vs raw bound on the CPU (a few minutes)
 	$(BIN)/python bench/bench.py --device cpu

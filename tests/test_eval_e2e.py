@@ -26,24 +26,25 @@ def digits_run(tmp_path_factory):
     return run
 
 
-def test_same_numbers_at_world_size_1_2_3_4(digits_run, tmp_path):
+def test_same_numbers_at_world_size_1_and_3(digits_run, tmp_path):
+    # (World size 2 is train.py's validation in the image-folder test: the same code.)
     ckpt = digits_run / "checkpoints" / "last.pt"
     # World size 1 with the default output: eval.json beside the checkpoint's run, no strays.
     run_script("eval.py", f"checkpoint={ckpt}", cwd=tmp_path)
     assert list(tmp_path.iterdir()) == []
     results = {1: json.loads((digits_run / "eval.json").read_text())}
-    for n in (2, 3, 4):
+    for n in (3,):
         out = tmp_path / f"eval{n}.json"
         proc = run_script("eval.py", f"checkpoint={ckpt}", f"output={out}", nproc=n, cwd=tmp_path)
         assert "359 samples" in proc.stdout and f"world size {n}" in proc.stdout
         results[n] = json.loads(out.read_text())
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "confusion_matrix.png", "eval2.json", "eval3.json", "eval4.json"
+        "confusion_matrix.png", "eval3.json"
     ]  # fmt: skip
     assert (digits_run / "confusion_matrix.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     base = results[1]
     assert base.keys() >= EVAL_KEYS
-    assert base["num_samples"] == 359  # none of 2, 3, 4 divides 359
+    assert base["num_samples"] == 359  # 3 does not divide 359: padding is ignored
     assert sum(map(sum, base["confusion_matrix"])) == 359
     for n, r in results.items():
         assert r["world_size"] == n and r["num_samples"] == 359
@@ -113,13 +114,13 @@ def test_checkpoint_is_required():
 
 
 @needs_mnist
-def test_mnist_trained_by_train_py_evaluates_the_same_at_1_and_3_processes(tmp_path):
+def test_mnist_trained_by_train_py_evaluates_the_same_at_3_processes(tmp_path):
     run = tmp_path / "run"
     run_script("train.py", "data=mnist", f"data.root={MNIST_ROOT}", "trainer.epochs=1",
                f"run_dir={run}", nproc=2)  # fmt: skip
     ckpt = run / "checkpoints" / "best.pt"
-    run_script("eval.py", f"checkpoint={ckpt}", f"output={tmp_path}/one.json")
     run_script("eval.py", f"checkpoint={ckpt}", f"output={tmp_path}/three.json", nproc=3)
-    one, three = (json.loads((tmp_path / f).read_text()) for f in ("one.json", "three.json"))
-    assert one["num_samples"] == three["num_samples"] == 2000
-    assert one["accuracy"] == three["accuracy"] and one["accuracy"] > 0.9
+    three = json.loads((tmp_path / "three.json").read_text())
+    assert three["num_samples"] == 2000
+    # train.py validated the same weights at world size 2: the same accuracy at 3.
+    assert three["accuracy"] == read_metrics(run)[-1]["val/accuracy"] > 0.9

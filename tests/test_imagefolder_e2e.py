@@ -52,11 +52,12 @@ def test_folder_trains_like_the_tensor_path_on_the_same_images(folder_run, tmp_p
     assert ckpt["classes"] == [str(i) for i in range(10)]
 
 
-def test_eval_gives_identical_numbers_at_world_size_1_2_3(folder_run, tmp_path):
+def test_eval_gives_identical_numbers_at_world_size_1_and_3(folder_run, tmp_path):
+    # With train.py's own validation at world size 2 (the last assertion): 1, 2 and 3.
     run, _ = folder_run
     ckpt = run / "checkpoints" / "last.pt"
     results = {}
-    for n in (1, 2, 3):
+    for n in (1, 3):
         out = tmp_path / f"eval{n}.json"
         run_script("eval.py", f"checkpoint={ckpt}", f"output={out}", "data.num_workers=1",
                    nproc=None if n == 1 else n)  # fmt: skip

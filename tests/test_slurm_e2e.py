@@ -55,11 +55,19 @@ def slurm(tmp_path_factory):
 
 
 def sbatch(env, *args, wait=True) -> str:
-    """Submit from the repository root (as the README says); the job id."""
-    cmd = ["sbatch", "--parsable", *(["--wait"] if wait else []), *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    """Submit from the repository root (as the README says); the job id. With ``wait``,
+    return once the job has ended (polled finely: ``sbatch --wait`` polls every few seconds)."""
+    cmd = ["sbatch", "--parsable", *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert proc.stdout.strip(), proc.stderr
-    return proc.stdout.strip().split(";")[0]
+    job = proc.stdout.strip().split(";")[0]
+    if wait:
+        wait_until(lambda: job_info(env, job)["JobState"] in ENDED, timeout=600,
+                   what=f"job {job} to end")  # fmt: skip
+    return job
+
+
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL")
 
 
 def job_info(env, job: str) -> dict[str, str]:
