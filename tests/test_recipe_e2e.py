@@ -87,8 +87,7 @@ def _sweep(tmp_path, name, *overrides):
 
 
 @needs_mnist
-def test_published_mnist_recipes_hold_on_held_out_slices(tmp_path):
-    tutorial = _sweep(tmp_path, "tutorial", "experiment=mnist_convnet")
-    assert min(tutorial) >= 0.96, tutorial
+def test_published_mnist_recipe_holds_on_held_out_slices(tmp_path):
+    # The default recipe; `make recipes` measures the tutorial's (experiment=mnist_convnet) too.
     default = _sweep(tmp_path, "default")
     assert min(default) >= 0.975, default
