@@ -76,13 +76,14 @@ def test_label_smoothing_mixup_and_cutmix_train_end_to_end(tmp_path):
 
 
 def _sweep(tmp_path, name, *overrides):
-    """One torchrun launch, three jobs: held-out slice k with seed k, k = 0, 1, 2."""
+    """One torchrun launch, two jobs: held-out slice k with seed k, k = 0, 1 (the suite's
+    budget; `make recipes` runs the whole grid)."""
     sweep = tmp_path / name
     run_script("train.py", "-m", "data=mnist", f"data.root={MNIST_ROOT}", *overrides,
-               "data.val_slice=0,1,2", "seed=${data.val_slice}", "logger=none",
+               "data.val_slice=0,1", "seed=${data.val_slice}", "logger=none",
                f"hydra.sweep.dir={sweep}", nproc=2, timeout=600)  # fmt: skip
     rows = list(csv.DictReader((sweep / "summary.csv").open()))
-    assert [r["status"] for r in rows] == ["COMPLETED"] * 3
+    assert [r["status"] for r in rows] == ["COMPLETED"] * 2
     return [float(r["val/accuracy"]) for r in rows]
 
 
