@@ -76,6 +76,12 @@ def job_info(env, job: str) -> dict[str, str]:
     return dict(f.split("=", 1) for f in out.split() if "=" in f)
 
 
+def node_state(env) -> str:
+    out = subprocess.run(["sinfo", "-h", "-N", "-o", "%t"], env=env, capture_output=True,
+                         text=True, check=True).stdout  # fmt: skip
+    return out.strip()
+
+
 def wait_until(predicate, timeout=180, what="the awaited state"):
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -133,10 +139,14 @@ def test_time_limit_warning_checkpoints_requeues_once_and_resumes_exactly(
     stop_step = int(log.split("stopped by SIGTERM at step ")[1].split(":")[0])
     stopped = torch.load(run / "checkpoints" / "last.pt", weights_only=True)
     assert stopped["step"] == stop_step < 144
-    # A requeued job waits for a begin time about 2 minutes ahead: let it start now.
+    # A requeued job waits for a begin time about 2 minutes ahead: let it start now, once the
+    # node has finished with its first run (started sooner, SLURM kills it: "Job credential
+    # revoked").
+    wait_until(lambda: node_state(slurm) == "idle", what="the node to be idle again")
     subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm, check=True)
-    wait_until(lambda: job_info(slurm, job)["JobState"] == "COMPLETED", timeout=300,
-               what="the requeued run to complete")  # fmt: skip
+    wait_until(lambda: job_info(slurm, job)["JobState"] in ENDED, timeout=300,
+               what="the requeued run to end")  # fmt: skip
+    assert job_info(slurm, job)["JobState"] == "COMPLETED"
     out = (tmp_path / f"slurm-{job}.out").read_text()
     assert out.count("requeueing job") == 1, out
     assert f"job {job} (restart 1)" in out
