@@ -58,18 +58,14 @@ def report(message: str, exit_code: int, rank_specific: bool = False) -> None:
     sys.exit(exit_code)
 
 
-def write_error_file(message: str) -> bool:
-    """torchrun's error file for this worker (the format ``record`` writes); False if none."""
+def write_error_file(message: str) -> None:
+    """torchrun's error file for this worker (the format ``record`` writes), if it has one."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path or os.path.exists(path):
-        return False
+        return
     extra = {"py_callstack": message, "timestamp": str(int(time.time()))}
-    try:
-        with open(path, "w") as f:
-            json.dump({"message": {"message": message, "extraInfo": extra}}, f)
-    except OSError:
-        return False
-    return True
+    with contextlib.suppress(OSError), open(path, "w") as f:
+        json.dump({"message": {"message": message, "extraInfo": extra}}, f)
 
 
 @contextlib.contextmanager

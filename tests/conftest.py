@@ -8,6 +8,7 @@ import pickle
 import socket
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -94,6 +95,16 @@ def run_script(
             f"\n--- stderr\n{proc.stderr[-6000:]}"
         )
     return proc
+
+
+def wait_for_step_checkpoint(run_dir: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
+    """Until the running ``proc`` has written its first step checkpoint into ``run_dir``."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        if list((run_dir / "checkpoints").glob("step_*.pt")):
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"the run ended or stalled before a step checkpoint: {proc.communicate()}")
 
 
 def params(run_dir: Path, name: str = "last.pt") -> dict:

@@ -13,7 +13,15 @@ import time
 
 import pytest
 import torch
-from conftest import ROOT, child_env, command, read_metrics, run_script, start_script
+from conftest import (
+    ROOT,
+    child_env,
+    command,
+    read_metrics,
+    run_script,
+    start_script,
+    wait_for_step_checkpoint,
+)
 
 from ddp_utils.train.finite import DIVERGED_EXIT
 
@@ -43,9 +51,7 @@ def test_one_job_per_run_dir_and_a_killed_holder_does_not_block(tmp_path):
     assert f"run_dir={run} is in use by another job" in err and f"pid {winner.pid}" in err
     assert err.count("error:") == 1 and "Traceback" not in err
     # The holder dies without a chance to clean up: the next launch is not blocked.
-    while not list((run / "checkpoints").glob("step_*.pt")):
-        assert winner.poll() is None, winner.communicate()
-        time.sleep(0.05)
+    wait_for_step_checkpoint(run, winner)
     winner.kill()
     winner.communicate()
     proc = run_script("train.py", *RUN, f"run_dir={run}")
@@ -126,9 +132,7 @@ def test_a_run_that_fails_before_training_leaves_no_run_dir(tmp_path):
 
 def test_sigint_to_a_plain_process_checkpoints_and_exits_130(tmp_path):
     proc = start_script("train.py", *RUN, f"run_dir={tmp_path}")
-    while not list((tmp_path / "checkpoints").glob("step_*.pt")):
-        assert proc.poll() is None, proc.communicate()
-        time.sleep(0.05)
+    wait_for_step_checkpoint(tmp_path, proc)
     os.kill(proc.pid, signal.SIGINT)  # Ctrl-C in a terminal
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, out + err

@@ -21,6 +21,7 @@ from conftest import (
     recorded_samples,
     run_script,
     start_script,
+    wait_for_step_checkpoint,
     write_malicious_checkpoint,
 )
 
@@ -53,19 +54,10 @@ def test_sigkill_mid_epoch_then_elastic_restart_matches_uninterrupted(reference,
     assert [r["step"] for r in read_metrics(tmp_path)] == [72, 144]
 
 
-def _wait_for(path_glob, proc, timeout=120):
-    deadline = time.time() + timeout
-    while time.time() < deadline and proc.poll() is None:
-        if path_glob():
-            return
-        time.sleep(0.02)
-    raise AssertionError("the run ended or stalled before the awaited file appeared")
-
-
 def test_sigterm_to_torchrun_checkpoints_the_stop_step_and_relaunch_matches(reference, tmp_path):
     args = (*RUN, f"run_dir={tmp_path}")
     proc = start_script("train.py", *args, nproc=2)
-    _wait_for(lambda: list((tmp_path / "checkpoints").glob("step_*.pt")), proc)
+    wait_for_step_checkpoint(tmp_path, proc)
     proc.send_signal(signal.SIGTERM)  # to the torchrun agent, which forwards it to the workers
     out, err = proc.communicate(timeout=60)
     assert proc.returncode != 0
@@ -87,7 +79,7 @@ def test_ctrl_c_to_the_launcher_group_checkpoints_and_relaunch_matches(reference
         cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,
     )  # fmt: skip
-    _wait_for(lambda: list((tmp_path / "checkpoints").glob("step_*.pt")), proc)
+    wait_for_step_checkpoint(tmp_path, proc)
     os.killpg(proc.pid, signal.SIGINT)
     out, _ = proc.communicate(timeout=90)
     assert proc.returncode == 130, out
@@ -120,7 +112,7 @@ def test_no_loadable_checkpoint_stops_with_the_list_and_best_survives(reference,
 
 def test_sigterm_exit_code_of_a_plain_process(tmp_path):
     proc = start_script("train.py", *RUN, f"run_dir={tmp_path}")
-    _wait_for(lambda: list((tmp_path / "checkpoints").glob("step_*.pt")), proc)
+    wait_for_step_checkpoint(tmp_path, proc)
     proc.send_signal(signal.SIGUSR1)  # what SLURM sends before a time limit
     proc.communicate(timeout=60)
     assert proc.returncode == PREEMPTED_EXIT
