@@ -143,11 +143,14 @@ def test_time_limit_warning_checkpoints_requeues_once_and_resumes_exactly(
     # node has finished with its first run (started sooner, SLURM kills it: "Job credential
     # revoked").
     wait_until(lambda: node_state(slurm) == "idle", what="the node to be idle again")
+    # slurmd refuses a credential made in the same second as its revocation (ctime <= revoked,
+    # whole seconds): start the requeued run from the next second on.
+    time.sleep(1.5)
     subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm, check=True)
     wait_until(lambda: job_info(slurm, job)["JobState"] in ENDED, timeout=300,
                what="the requeued run to end")  # fmt: skip
-    assert job_info(slurm, job)["JobState"] == "COMPLETED"
     out = (tmp_path / f"slurm-{job}.out").read_text()
+    assert job_info(slurm, job)["JobState"] == "COMPLETED", out
     assert out.count("requeueing job") == 1, out
     assert f"job {job} (restart 1)" in out
     assert (
