@@ -5,8 +5,8 @@ In one run it measures, at each world size, images/s of
 - train.py's loop in full precision, then with bf16 autocast, torch.compile, and both,
 - the raw bound: the same DDP model stepping over batches already in memory,
 each the median of 3 runs of one epoch, plus the time from launching `python train.py` to
-its first training step next to the time to import torch, torchvision, torchmetrics and
-hydra in a bare interpreter. Data: ../shared/data/mnist10k when present (8,000 MNIST
+its first training step next to the time to import torch, torchvision and hydra in a bare
+interpreter. Data: ../shared/data/mnist10k when present (8,000 MNIST
 training images), else the synthetic set of the same shape. Writes a JSON file too.
 """
 
@@ -24,7 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 MNIST = ROOT.parent / "shared" / "data" / "mnist10k"
-IMPORTS = "import torch, torchvision, torchmetrics, hydra"
+IMPORTS = "import torch, torchvision, hydra"
 
 
 def data_overrides() -> tuple[str, list[str]]:

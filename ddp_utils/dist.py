@@ -174,7 +174,7 @@ def init_distributed(cfg: TrainerConfig, env: dict[str, str] | None = None) -> R
                 device_id=device if device.type == "cuda" else None,
             )
         else:
-            # A one-process group keeps DDP and torchmetrics on the same code path as torchrun.
+            # A one-process group keeps DDP and the evaluation on the same code path as torchrun.
             store = dist.HashStore()
             dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
         # A sweep keeps the group for all its jobs; it is left when the process exits.

@@ -4,7 +4,6 @@ on held-out MNIST slices."""
 
 from __future__ import annotations
 
-import csv
 import json
 
 import pytest
@@ -75,20 +74,13 @@ def test_label_smoothing_mixup_and_cutmix_train_end_to_end(tmp_path):
     assert records[-1]["train/loss"] > 0.3
 
 
-def _sweep(tmp_path, name, *overrides):
-    """One torchrun launch, two jobs: held-out slice k with seed k, k = 0, 1 (the suite's
-    budget; `make recipes` runs the whole grid)."""
-    sweep = tmp_path / name
-    run_script("train.py", "-m", "data=mnist", f"data.root={MNIST_ROOT}", *overrides,
-               "data.val_slice=0,1", "seed=${data.val_slice}", "logger=none",
-               f"hydra.sweep.dir={sweep}", nproc=2, timeout=600)  # fmt: skip
-    rows = list(csv.DictReader((sweep / "summary.csv").open()))
-    assert [r["status"] for r in rows] == ["COMPLETED"] * 2
-    return [float(r["val/accuracy"]) for r in rows]
-
-
 @needs_mnist
-def test_published_mnist_recipe_holds_on_held_out_slices(tmp_path):
-    # The default recipe; `make recipes` measures the tutorial's (experiment=mnist_convnet) too.
-    default = _sweep(tmp_path, "default")
-    assert min(default) >= 0.975, default
+def test_published_mnist_recipe_holds_on_a_held_out_slice(tmp_path):
+    # The default recipe on held-out slice 1 with seed 1, a point of the grid the defaults were
+    # not chosen on (the suite's budget: `make recipes` measures the whole grid, the tutorial's
+    # experiment=mnist_convnet included).
+    run_script("train.py", "data=mnist", f"data.root={MNIST_ROOT}", "data.val_slice=1",
+               "seed=1", "logger=none", f"run_dir={tmp_path}", nproc=2, timeout=600)  # fmt: skip
+    last = read_metrics(tmp_path)[-1]
+    assert last["val/num_samples"] == 2000
+    assert last["val/accuracy"] >= 0.975, last

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from unittest import mock
 
+import numpy as np
 import pytest
 import torch
 from conftest import compose_config
@@ -235,3 +236,44 @@ def test_a_rank_that_cannot_see_run_dir_says_so(tmp_path):
     ):
         resolve_run_dir(None, rt)
     assert e.value.rank_specific and "rank 3" in str(e.value)
+
+
+def test_eval_metrics_match_scikit_learns_and_leave_skipped_images_out():
+    from sklearn import metrics as skm
+
+    from ddp_utils.data.samplers import BAD_LABEL
+    from ddp_utils.metrics import EvalCounts
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(500, 10, generator=g)
+    logits[:, 9] -= 100  # class 9: never predicted and never a label, so left out of macro F1
+    target = torch.randint(0, 9, (500,), generator=g)
+    target[target == 7] = 3  # class 7: predicted, never a label (recall 0)
+    skipped = torch.arange(500) % 37 == 0
+    counts = EvalCounts(10, torch.device("cpu"))
+    for lo in range(0, 500, 64):
+        labels = torch.where(skipped, BAD_LABEL, target)[lo : lo + 64]
+        counts.update(logits[lo : lo + 64], labels)
+    r = counts.compute()
+    y, scores = target[~skipped].numpy(), logits[~skipped]
+    pred = scores.argmax(dim=1).numpy()
+    assert (r["num_samples"], r["skipped_images"]) == (500 - 14, 14)
+    assert r["confusion_matrix"] == skm.confusion_matrix(y, pred, labels=range(10)).tolist()
+    assert r["accuracy"] == pytest.approx(skm.accuracy_score(y, pred), abs=1e-12)
+    assert r["f1_macro"] == pytest.approx(skm.f1_score(y, pred, average="macro"), abs=1e-12)
+    recall = skm.recall_score(y, pred, average=None, labels=range(10), zero_division=0)
+    assert r["per_class_accuracy"] == pytest.approx(recall.tolist(), abs=1e-12)
+    top5 = skm.top_k_accuracy_score(y, scores.numpy(), k=5, labels=range(10))
+    assert r["top5"] == pytest.approx(top5, abs=1e-12)
+    loss = torch.nn.functional.cross_entropy(scores, target[~skipped]).item()
+    assert r["loss"] == pytest.approx(loss, rel=1e-6)
+
+
+def test_digits_are_scikit_learns_load_digits():
+    from sklearn.datasets import load_digits
+
+    from ddp_utils.data.builtin import digits_arrays
+
+    images, target = digits_arrays()
+    bunch = load_digits()
+    assert np.array_equal(images, bunch.images) and np.array_equal(target, bunch.target)

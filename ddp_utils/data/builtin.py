@@ -8,9 +8,11 @@ labels (cached on disk for torchvision's sets), which the tensor loader indexes 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset
 
@@ -36,13 +38,27 @@ class ImageTensorDataset(Dataset):
         return self.images[i], self.labels[i]
 
 
-def _digits(cfg: DataConfig, split: str) -> tuple[torch.Tensor, torch.Tensor]:
-    from sklearn.datasets import load_digits  # bundled with scikit-learn: no download
+def digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's bundled digits (no download): 1,797 8x8 images of grey levels 0..16 and
+    their labels, as ``sklearn.datasets.load_digits`` returns them. Read from the file it ships
+    when it is there: importing sklearn.datasets loads scipy, over a second in every process."""
+    spec = importlib.util.find_spec("sklearn")  # finds the package without importing it
+    if spec is not None and spec.origin is not None:
+        path = Path(spec.origin).parent / "datasets" / "data" / "digits.csv.gz"
+        if path.is_file():
+            data = np.loadtxt(path, delimiter=",")
+            return data[:, :-1].reshape(-1, 8, 8), data[:, -1].astype(np.int64)
+    from sklearn.datasets import load_digits
 
     bunch = load_digits()
+    return bunch.images, bunch.target
+
+
+def _digits(cfg: DataConfig, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+    pixels, target = digits_arrays()
     # 17 grey levels (0..16) spread over the uint8 range.
-    images = torch.from_numpy(bunch.images * (255.0 / 16.0)).round().to(torch.uint8)
-    labels = torch.from_numpy(bunch.target).long()
+    images = torch.from_numpy(pixels * (255.0 / 16.0)).round().to(torch.uint8)
+    labels = torch.from_numpy(target).long()
     images, labels = holdout(images.unsqueeze(1), labels, cfg, split,
                              n_val=round(len(labels) * cfg.val_fraction))  # fmt: skip
     return images.contiguous(), labels
