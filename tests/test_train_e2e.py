@@ -9,30 +9,6 @@ from ddp_utils.config import DataConfig
 from ddp_utils.models import build_model
 
 
-def test_torchrun_two_ranks_share_one_run_dir(tmp_path):
-    proc = run_script("train.py", "trainer.epochs=2", nproc=2, cwd=tmp_path)
-    # Nothing but outputs/<one run>: no per-rank folders, no Hydra files.
-    assert [p.name for p in tmp_path.iterdir()] == ["outputs"]
-    runs = list((tmp_path / "outputs").iterdir())
-    assert len(runs) == 1, runs
-    run = runs[0]
-    assert {p.name for p in run.iterdir()} >= {"config.yaml", "train.log", "metrics.jsonl"}
-    assert not list(run.glob(".hydra")) and not list(run.glob("train.rank*.log"))
-    log = (run / "train.log").read_text()
-    assert "world size 2" in log and "global batch 200" in log
-    assert "world size 2" in proc.stdout
-    records = read_metrics(run)
-    assert [r["epoch"] for r in records] == [0, 1]
-    for r in records:
-        assert {"epoch", "step", "lr", "train/loss", "val/accuracy", "val/num_samples",
-                "samples_per_s"} <= r.keys()  # fmt: skip
-        assert r["val/num_samples"] == 359
-    ckpt = torch.load(run / "checkpoints" / "last.pt", weights_only=True)
-    assert {"model", "optimizer", "scheduler", "scaler", "epoch", "step", "config"} <= ckpt.keys()
-    assert ckpt["step"] == records[-1]["step"] and ckpt["config"]["data"]["name"] == "digits"
-    assert (run / "checkpoints" / "best.pt").is_file()
-
-
 def _params(path):
     return torch.load(path, weights_only=True)["model"]
 

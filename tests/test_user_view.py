@@ -1,4 +1,5 @@
-"""The user's view: curves, TensorBoard, progress output, and the doctor."""
+"""The user's view of a torchrun run: one run directory, curves, TensorBoard, progress
+output, and the doctor."""
 
 from __future__ import annotations
 
@@ -7,17 +8,42 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, child_env, free_port, run_script
+import torch
+from conftest import ROOT, child_env, free_port, read_metrics, run_script
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture(scope="module")
 def two_epoch_run(tmp_path_factory):
-    run = tmp_path_factory.mktemp("view") / "run"
-    proc = run_script("train.py", "trainer.epochs=2", "trainer.log_every_steps=2",
-                      f"run_dir={run}", nproc=2)  # fmt: skip
-    return run, proc
+    """One torchrun run of two ranks with the default run_dir, from a fresh working folder."""
+    cwd = tmp_path_factory.mktemp("view")
+    proc = run_script("train.py", "trainer.epochs=2", "trainer.log_every_steps=2", nproc=2,
+                      cwd=cwd)  # fmt: skip
+    runs = list((cwd / "outputs").iterdir()) if (cwd / "outputs").is_dir() else []
+    assert len(runs) == 1, runs
+    return runs[0], proc
+
+
+def test_torchrun_two_ranks_share_one_run_dir(two_epoch_run):
+    run, proc = two_epoch_run
+    # Nothing but outputs/<one run>: no per-rank folders, no Hydra files.
+    assert [p.name for p in run.parent.parent.iterdir()] == ["outputs"]
+    assert {p.name for p in run.iterdir()} >= {"config.yaml", "train.log", "metrics.jsonl"}
+    assert not list(run.glob(".hydra")) and not list(run.glob("train.rank*.log"))
+    log = (run / "train.log").read_text()
+    assert "world size 2" in log and "global batch 200" in log
+    assert "world size 2" in proc.stdout
+    records = read_metrics(run)
+    assert [r["epoch"] for r in records] == [0, 1]
+    for r in records:
+        assert {"epoch", "step", "lr", "train/loss", "val/accuracy", "val/num_samples",
+                "samples_per_s"} <= r.keys()  # fmt: skip
+        assert r["val/num_samples"] == 359
+    ckpt = torch.load(run / "checkpoints" / "last.pt", weights_only=True)
+    assert {"model", "optimizer", "scheduler", "scaler", "epoch", "step", "config"} <= ckpt.keys()
+    assert ckpt["step"] == records[-1]["step"] and ckpt["config"]["data"]["name"] == "digits"
+    assert (run / "checkpoints" / "best.pt").is_file()
 
 
 def test_curves_png_after_two_epochs(two_epoch_run, tmp_path):
