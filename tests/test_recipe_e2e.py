@@ -77,11 +77,12 @@ def test_label_smoothing_mixup_and_cutmix_train_end_to_end(tmp_path):
 
 @needs_mnist
 def test_published_mnist_recipe_holds_on_a_held_out_slice(tmp_path):
-    # The default recipe on held-out slice 1 with seed 1, a point of the grid the defaults were
-    # not chosen on (the suite's budget: `make recipes` measures the whole grid, the tutorial's
-    # experiment=mnist_convnet included).
-    run_script("train.py", "data=mnist", f"data.root={MNIST_ROOT}", "data.val_slice=1",
-               "seed=1", "logger=none", f"run_dir={tmp_path}", nproc=2, timeout=600)  # fmt: skip
+    # The tutorial's recipe (2 epochs) on held-out slice 1 with seed 1, against its published
+    # floor. The suite's budget: `make recipes` measures the whole grid, the 10-epoch default
+    # recipe's included.
+    run_script("train.py", "experiment=mnist_convnet", f"data.root={MNIST_ROOT}",
+               "data.val_slice=1", "seed=1", "logger=none", f"run_dir={tmp_path}", nproc=2,
+               timeout=600)  # fmt: skip
     last = read_metrics(tmp_path)[-1]
-    assert last["val/num_samples"] == 2000
-    assert last["val/accuracy"] >= 0.975, last
+    assert last["val/num_samples"] == 2000 and last["epoch"] == 1
+    assert last["val/accuracy"] >= 0.961, last
