@@ -5,9 +5,6 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 NPROC  ?= 2
 ARGS   ?=
-# One test file more than CPUs at a time: a part of the suite waits (SLURM scheduling, timeouts,
-# process teardown), and the extra file fills those waits (13:49 instead of 14:40 on 2 cores).
-TEST_WORKERS ?= $(shell echo $$(( $$(nproc) + 1 )))
 
 .DEFAULT_GOAL := help
 .PHONY: help install train test lint format clean bench bench-gpu bench-data recipes
@@ -25,8 +22,8 @@ install: $(STAMP)  ## create .venv and install the project with its dev tools, t
 train: $(STAMP)  ## train on the embedded digits with NPROC (default 2) processes; ARGS= for overrides
 	$(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) train.py $(ARGS)
 
-test: $(STAMP)  ## run the whole test suite (CPUs + 1 test files at a time)
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(ARGS)
+test: $(STAMP)  ## run the whole test suite (one test file per CPU at a time)
+	$(BIN)/python -m pytest -n auto --dist loadfile $(ARGS)
 
 bench: $(STAMP)  ## speed: tutorial loop vs train.py vs raw bound on the CPU (a few minutes)
 	$(BIN)/python bench/bench.py --device cpu

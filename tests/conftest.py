@@ -23,7 +23,7 @@ needs_mnist = pytest.mark.skipif(
 )
 
 
-# The longest files first: `make test` runs CPUs + 1 files at a time (xdist --dist
+# The longest files first: `make test` runs one file per CPU at a time (xdist --dist
 # loadfile), handed out in collection order, so starting with the long ones packs them best.
 LONGEST_FIRST = ("test_recipe_e2e", "test_imagefolder_e2e", "test_resume_e2e", "test_slurm_e2e",
                  "test_eval_e2e", "test_failures_e2e", "test_multinode_sweep_e2e")  # fmt: skip
