@@ -41,6 +41,7 @@ class EvalCounts:
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
 
     def update(self, logits: torch.Tensor, target: torch.Tensor) -> None:
+        """Add one batch: float32 ``logits`` (N, C) and labels (N,)."""
         c = self.num_classes
         counted = target != BAD_LABEL
         cell = torch.where(counted, target * c + logits.argmax(dim=1), c * c)
@@ -48,7 +49,7 @@ class EvalCounts:
         if self.top_k:
             hits = (logits.topk(self.top_k, dim=1).indices == target[:, None]).any(dim=1)
             self.top_k_hits += (hits & counted).sum()
-        loss = F.cross_entropy(logits.float(), target, ignore_index=BAD_LABEL, reduction="sum")
+        loss = F.cross_entropy(logits, target, ignore_index=BAD_LABEL, reduction="sum")
         self.loss_sum += loss.double()
 
     def compute(self) -> dict[str, float | int | list]:

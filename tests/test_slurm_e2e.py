@@ -140,11 +140,9 @@ def test_time_limit_warning_checkpoints_requeues_once_and_resumes_exactly(
     stopped = torch.load(run / "checkpoints" / "last.pt", weights_only=True)
     assert stopped["step"] == stop_step < 144
     # A requeued job waits for a begin time about 2 minutes ahead: let it start now, once the
-    # node has finished with its first run (started sooner, SLURM kills it: "Job credential
-    # revoked").
+    # node has finished with its first run and a second has passed. Sooner, slurmd refuses the
+    # new job credential as revoked (it compares whole seconds: ctime <= revoked).
     wait_until(lambda: node_state(slurm) == "idle", what="the node to be idle again")
-    # slurmd refuses a credential made in the same second as its revocation (ctime <= revoked,
-    # whole seconds): start the requeued run from the next second on.
     time.sleep(1.5)
     subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm, check=True)
     wait_until(lambda: job_info(slurm, job)["JobState"] in ENDED, timeout=300,
