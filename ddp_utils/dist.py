@@ -194,6 +194,23 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
+def finish_together(timeout_s: float = 300.0) -> None:
+    """Every launched rank waits here for all the others, then leaves the process group.
+
+    For the end of an in-process sweep: torchrun stops the other workers as soon as one
+    exits, so a rank that finished its jobs first would kill global rank 0 before it wrote
+    the last job's record. When every job failed before joining the group, a gloo group is
+    made just for this meeting.
+    """
+    launch = read_launch_env()
+    if launch.world_size > 1 and not dist.is_initialized():
+        timeout = timedelta(seconds=timeout_s)
+        dist.init_process_group("gloo", store=launch_store(launch, timeout), rank=launch.rank,
+                                world_size=launch.world_size, timeout=timeout)  # fmt: skip
+    barrier()
+    shutdown()
+
+
 def barrier() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()

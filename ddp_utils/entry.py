@@ -22,10 +22,10 @@ from hydra.errors import HydraException, MissingConfigException
 from omegaconf.errors import OmegaConfBaseException
 
 from ddp_utils.config import ConfigError, register_configs
-from ddp_utils.dist import read_launch_env
+from ddp_utils.dist import finish_together, read_launch_env
 from ddp_utils.preemption import INTERRUPTED_EXIT, Preempted, pass_on
 from ddp_utils.run import log_to_files
-from ddp_utils.sweep import in_sweep, register_sweep_configs
+from ddp_utils.sweep import failed_jobs, in_sweep, register_sweep_configs, running_sweep
 
 USER_ERROR_EXIT = 2
 NON_MAIN_EXIT_DELAY_S = 2.0
@@ -103,13 +103,33 @@ def user_errors(main: Callable[[], Any]) -> Callable[[], Any]:
         if printing and read_launch_env().rank != 0:
             sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the rest of the process
         try:
-            return main()
-        except (HydraException, OmegaConfBaseException) as e:
-            if _job_started:
-                raise  # not composition: a bug inside the job, with its traceback
-            report(hydra_error_paragraph(e), USER_ERROR_EXIT)
+            result = main()
+        except Exception as e:
+            if not _job_started and isinstance(e, (HydraException, OmegaConfBaseException)):
+                report(hydra_error_paragraph(e), USER_ERROR_EXIT)
+            if running_sweep() is None:
+                raise  # a bug inside a job, with its traceback
+            end_sweep(e)
+        if running_sweep() is not None:
+            end_sweep(None)
+        return result
 
     return wrapper
+
+
+def end_sweep(error: Exception | None) -> None:
+    """After an in-process sweep: every rank waits for the others (global rank 0 may still be
+    writing the summary), then a failed sweep exits non-zero with one line, not Hydra's
+    re-raise of its first failure on every rank (each failure was logged as it happened)."""
+    finish_together()
+    if error is None:
+        return
+    sweep_dir = running_sweep()
+    with contextlib.suppress(KeyError, OSError):  # `record` wrote the first failure's there
+        os.remove(os.environ["TORCHELASTIC_ERROR_FILE"])
+    failed, total = failed_jobs(sweep_dir)
+    code = getattr(error, "exit_code", USER_ERROR_EXIT) if isinstance(error, ConfigError) else 1
+    report(f"{failed} of {total} sweep jobs failed; see {sweep_dir / 'summary.csv'}", code)
 
 
 def hydra_error_paragraph(e: BaseException) -> str:

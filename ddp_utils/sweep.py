@@ -18,6 +18,7 @@ import csv
 import json
 import logging
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from ddp_utils.config import ConfigError
 from ddp_utils.dist import read_launch_env
 from ddp_utils.run import run_tag
 
@@ -36,6 +38,7 @@ SUMMARY_KEYS = (
 )  # fmt: skip
 # Resolved once per process: a launcher re-resolves the sweep directory for every job.
 _STARTED = time.strftime("%Y-%m-%d_%H-%M-%S")
+_running_sweep: Path | None = None  # set on every rank when this process starts a sweep
 
 
 def sweep_dir_name() -> str:
@@ -53,6 +56,18 @@ def in_sweep() -> bool:
 def sweep_job_dir() -> str | None:
     """The job's own folder inside the sweep directory, when this process runs a sweep job."""
     return HydraConfig.get().runtime.output_dir if in_sweep() else None
+
+
+def running_sweep() -> Path | None:
+    """The sweep directory, once this process has started an in-process sweep."""
+    return _running_sweep
+
+
+def failed_jobs(sweep_dir: Path) -> tuple[int, int]:
+    """How many of the sweep's recorded jobs failed, and how many were recorded."""
+    path = sweep_dir / "summary.json"
+    rows = json.loads(path.read_text()) if path.exists() else []
+    return sum(r["status"] == "FAILED" for r in rows), len(rows)
 
 
 def final_metrics(job_dir: Path) -> dict[str, Any]:
@@ -91,6 +106,10 @@ def format_summary(rows: list[dict[str, Any]]) -> str:
 class SweepSummary(Callback):
     """Records each sweep job's status and, at the end, prints the sweep's table."""
 
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        global _running_sweep
+        _running_sweep = Path(config.hydra.sweep.dir)
+
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
         if config.hydra.mode != RunMode.MULTIRUN or read_launch_env().rank != 0:
             return
@@ -106,7 +125,12 @@ class SweepSummary(Callback):
         (job_dir / "job.json").write_text(json.dumps(job, indent=2))
         write_summary(Path(config.hydra.sweep.dir))
         if failed:
-            log.error("sweep job #%d failed: %s", job["job"], job["error"])
+            error = job_return._return_value
+            if isinstance(error, ConfigError):
+                log.error("sweep job #%d failed: %s", job["job"], error)
+            else:  # a crash: its traceback, once, since the sweep goes on
+                trace = "".join(traceback.format_exception(error)).rstrip()
+                log.error("sweep job #%d failed:\n%s", job["job"], trace)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         if read_launch_env().rank != 0:

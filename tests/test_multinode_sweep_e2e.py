@@ -149,9 +149,13 @@ def test_a_failing_sweep_job_is_reported_and_the_ranks_stay_in_step(tmp_path):
     proc = run_script("train.py", "-m", "optim.lr=-1,0.05", "trainer.epochs=1",
                       nproc=2, cwd=tmp_path, check=False)  # fmt: skip
     assert proc.returncode != 0
-    _, rows = _summary(tmp_path / "multirun")
-    assert [r["status"] for r in rows] == ["FAILED", "COMPLETED"]
+    sweep, rows = _summary(tmp_path / "multirun")
+    # Written by global rank 0 even when the other rank finishes the sweep first.
+    assert [r["status"] for r in rows] == ["FAILED", "COMPLETED"], proc.stderr[-3000:]
     assert "optim.lr" in rows[0]["error"] and rows[1]["world_size"] == 2
+    end = f"error: 1 of 2 sweep jobs failed; see multirun/{sweep.name}/summary.csv"
+    lines = proc.stderr.splitlines()
+    assert lines.count(end) == 1 and "Traceback" not in proc.stderr.split(end)[0]  # once
 
 
 def test_sweep_with_the_torchrun_launcher_runs_each_job_as_a_torchrun_job(tmp_path):
