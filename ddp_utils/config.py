@@ -360,6 +360,12 @@ def unknown_keys(node: DictConfig, schema: type, prefix: str = "") -> list[str]:
     return found
 
 
+def as_plain_dict(cfg: Any) -> dict[str, Any]:
+    """A config object as plain, resolved containers (what checkpoints store). Not cheap (tens
+    of milliseconds): a run converts its config once."""
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+
+
 def to_schema(cfg: DictConfig, schema: type = TrainConfig) -> Any:
     """Turn a composed DictConfig into its validated dataclass object."""
     collect_target_kwargs(cfg, schema)

@@ -11,10 +11,9 @@ import argparse
 import json
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only: no display needed
-import matplotlib.pyplot as plt  # noqa: E402
+# A bare Figure draws to files with the Agg canvas: no pyplot, no display, no global figure
+# state, and a quarter second less to import at the end of every run.
+from matplotlib.figure import Figure
 
 
 def expand(paths: list[Path]) -> list[Path]:
@@ -33,7 +32,8 @@ def read_records(run: Path) -> list[dict]:
 
 def plot_runs(runs: list[Path], out: Path) -> Path:
     """Loss (train and val) and val accuracy per epoch, one line per run, in one figure."""
-    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
+    fig = Figure(figsize=(11, 4))
+    ax_loss, ax_acc = fig.subplots(1, 2)
     for run in runs:
         records = read_records(run)
         epochs = [r["epoch"] for r in records]
@@ -51,13 +51,13 @@ def plot_runs(runs: list[Path], out: Path) -> Path:
         ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(out, dpi=100)
-    plt.close(fig)
     return out
 
 
 def plot_confusion_matrix(matrix: list[list[int]], out: Path) -> Path:
     n = len(matrix)
-    fig, ax = plt.subplots(figsize=(0.5 * n + 3, 0.5 * n + 2.5))
+    fig = Figure(figsize=(0.5 * n + 3, 0.5 * n + 2.5))
+    ax = fig.subplots()
     image = ax.imshow(matrix, cmap="Blues")
     fig.colorbar(image, ax=ax)
     peak = max(max(row) for row in matrix) or 1
@@ -69,7 +69,6 @@ def plot_confusion_matrix(matrix: list[list[int]], out: Path) -> Path:
            title="confusion matrix")  # fmt: skip
     fig.tight_layout()
     fig.savefig(out, dpi=100)
-    plt.close(fig)
     return out
 
 

@@ -9,9 +9,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
-from omegaconf import OmegaConf
 
-from ddp_utils.config import ConfigError, TrainConfig
+from ddp_utils.config import ConfigError, TrainConfig, as_plain_dict
 from ddp_utils.data.imagefolder import class_difference
 from ddp_utils.dist import Runtime, all_reduce_sum, broadcast_object
 from ddp_utils.optim import build_scheduler
@@ -65,7 +64,7 @@ def checkpoint_state(tr: Training) -> dict[str, Any]:
         **({"model_ema": tr.ema.state_dict()} if tr.ema else {}),
         "world_size": tr.rt.world_size,
         "classes": tr.data.classes,
-        "config": OmegaConf.to_container(OmegaConf.structured(tr.cfg), resolve=True),
+        "config": tr.config_record,
     }
 
 
@@ -92,7 +91,7 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 def config_changes(stored: dict[str, Any], cfg: TrainConfig) -> tuple[list[str], list[str]]:
     """(refused, allowed) changes between a checkpoint's config and this run's, as 'key: a -> b'."""
     old = _flatten(stored)
-    new = _flatten(OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True))
+    new = _flatten(as_plain_dict(cfg))
     refused, allowed = [], []
     for key in sorted(old.keys() | new.keys()):
         if key == "resume" or old.get(key) == new.get(key):

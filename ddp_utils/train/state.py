@@ -9,12 +9,13 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_utils.config import ConfigError, TrainConfig, TrainerConfig
+from ddp_utils.config import ConfigError, TrainConfig, TrainerConfig, as_plain_dict
 from ddp_utils.data import DataBundle, build_data
 from ddp_utils.dist import Runtime
 from ddp_utils.models import build_model
@@ -69,6 +70,7 @@ class Training:
     """Everything one run holds; ``raw_model`` is the unwrapped module inside ``model``."""
 
     cfg: TrainConfig
+    config_record: dict[str, Any]  # cfg as stored in every checkpoint, converted once
     rt: Runtime
     run_dir: Path
     raw_model: nn.Module
@@ -135,6 +137,7 @@ def build_training(cfg: TrainConfig, rt: Runtime, run_dir: Path) -> Training:
     optimizer = build_optimizer(cfg.optim, raw_model)
     return Training(
         cfg=cfg,
+        config_record=as_plain_dict(cfg),
         rt=rt,
         run_dir=run_dir,
         raw_model=raw_model,
