@@ -117,7 +117,7 @@ def check_classes(
     """Refuse a folder whose classes are not the ones the checkpoint was trained on."""
     if trained is None or found is None or trained == found:
         return
-    from ddp_utils.data.imagefolder import class_difference
+    from ddp_utils.data.classes import class_difference
 
     diff = class_difference(trained, found, "the checkpoint", "the folder")
     raise ConfigError(

@@ -13,8 +13,8 @@ from torch.utils.data import DistributedSampler
 
 from ddp_utils.config import ConfigError, DataConfig, ModelConfig, SchedConfig, TrainerConfig
 from ddp_utils.data import Preprocess, load_split
+from ddp_utils.data.preprocess import random_crop_flip
 from ddp_utils.data.samplers import EvalShardSampler
-from ddp_utils.data.transforms import random_crop_flip
 from ddp_utils.dist import (
     Runtime,
     first_host,

@@ -14,21 +14,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Sampler
 
 from ddp_utils.config import ConfigError, DataConfig
 from ddp_utils.data.builtin import ImageTensorDataset, load_split
-from ddp_utils.data.custom import CustomSource, load_custom
-from ddp_utils.data.imagefolder import ImageFolderSource, check_same_classes, load_index
 from ddp_utils.data.loaders import TensorLoader, worker_loader
+from ddp_utils.data.preprocess import Preprocess
 from ddp_utils.data.samplers import (
     BAD_LABEL,
     IGNORE_LABEL,
-    EpochTagged,
     EvalShardSampler,
     ResumableDistributedSampler,
 )
-from ddp_utils.data.transforms import Preprocess, SeededTransform, eval_transform, train_transform
 from ddp_utils.dist import Runtime, local_main_first
 
 __all__ = [
@@ -49,19 +46,6 @@ class DataBundle:
     classes: list[str] | None = None  # class names, where the source has them
 
 
-def streamed_sources(cfg: DataConfig, rt: Runtime, splits: tuple[str, ...]) -> dict[str, Dataset]:
-    """``(uint8 CHW image, label)`` sources of an image folder or a user's data set."""
-    if cfg.loader == "tensor":
-        raise ConfigError(
-            f"data={cfg.name} streams from disk through DataLoader workers: data.loader=tensor "
-            "is for the built-in in-memory sets; use data.loader=auto."
-        )
-    if cfg.name == "imagefolder":
-        return {s: ImageFolderSource(load_index(cfg, s, rt), cfg) for s in splits}
-    train, val = load_custom(cfg)
-    return {s: CustomSource(train if s == "train" else val, cfg, s) for s in splits}
-
-
 def in_memory_loader(
     ds: ImageTensorDataset, sampler: Sampler, cfg: DataConfig, rt: Runtime
 ) -> TensorLoader | DataLoader:
@@ -75,15 +59,9 @@ def build_data(cfg: DataConfig, rt: Runtime, seed: int, channels_last: bool = Fa
     """Every rank: the training and validation loaders of ``data=...`` and their preprocessing."""
     classes = None
     if cfg.name in STREAMED:
-        src = streamed_sources(cfg, rt, ("train", "val"))
-        classes = src["train"].classes
-        if cfg.name == "imagefolder":
-            check_same_classes(classes, src["val"].classes, cfg)
-        sampler = ResumableDistributedSampler(len(src["train"]), rt.world_size, rt.rank, seed=seed)
-        train_ds = SeededTransform(src["train"], train_transform(cfg), seed)
-        val_ds = SeededTransform(src["val"], eval_transform(cfg), seed)
-        train = worker_loader(train_ds, EpochTagged(sampler), cfg, rt)
-        val = worker_loader(val_ds, EvalShardSampler(len(val_ds), rt.world_size, rt.rank), cfg, rt)
+        from ddp_utils.data.streamed import streamed_loaders  # torchvision: streamed sets only
+
+        train, val, sampler, classes = streamed_loaders(cfg, rt, seed)
         augment_on_device = False  # done per sample in the workers
     else:
         if cfg.auto_augment or cfg.random_erase or cfg.train_crop_size:
@@ -116,9 +94,9 @@ def build_eval_data(
 ) -> tuple[TensorLoader | DataLoader, nn.Module, list[str] | None]:
     """Every rank: the loader of ``data.split`` sharded exactly, its preprocessing, classes."""
     if cfg.name in STREAMED:
-        source = streamed_sources(cfg, rt, (cfg.split,))[cfg.split]
-        ds, classes = SeededTransform(source, eval_transform(cfg), seed), source.classes
-        loader = worker_loader(ds, EvalShardSampler(len(ds), rt.world_size, rt.rank), cfg, rt)
+        from ddp_utils.data.streamed import streamed_eval_loader
+
+        loader, classes = streamed_eval_loader(cfg, rt, seed)
     else:
         with local_main_first(rt):
             ds, classes = load_split(cfg, cfg.split), None

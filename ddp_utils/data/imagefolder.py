@@ -25,6 +25,7 @@ from torchvision.transforms.v2 import functional as TF
 
 from ddp_utils.config import ConfigError, DataConfig, whole_sentences
 from ddp_utils.data.cache import cache_path, cached, read_cache
+from ddp_utils.data.classes import class_difference
 from ddp_utils.data.samplers import BAD_LABEL
 from ddp_utils.dist import Runtime, any_rank, broadcast_object
 from ddp_utils.run import log
@@ -255,14 +256,6 @@ class ImageFolderSource(Dataset):
                 self.warned.add(path)
                 log.warning("skipping the unreadable image %s (%s)", path, reason)
             return torch.zeros(self.channels, self.size, self.size, dtype=torch.uint8), BAD_LABEL
-
-
-def class_difference(a: list[str], b: list[str], a_name: str, b_name: str) -> str:
-    """How two class lists differ, in words."""
-    only_a, only_b = sorted(set(a) - set(b)), sorted(set(b) - set(a))
-    if not only_a and not only_b:
-        return "the same names in another order"
-    return f"only in {a_name}: {only_a or 'none'}; only in {b_name}: {only_b or 'none'}"
 
 
 def check_same_classes(train: list[str], val: list[str], cfg: DataConfig) -> None:

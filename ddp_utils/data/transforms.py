@@ -5,7 +5,8 @@ Streamed sources (image folders, custom sets) are transformed per sample with
 training ``RandomResizedCrop`` + horizontal flip, evaluation ``Resize`` + ``CenterCrop``. The
 random draws of a sample are a function of (seed, epoch, index) alone: each sample runs its
 transform under its own RNG seed, so neither the number of workers, nor the world size, nor
-a mid-epoch resume changes what a sample looks like. Normalisation stays on the device.
+a mid-epoch resume changes what a sample looks like. Normalisation stays on the device
+(``ddp_utils.data.preprocess``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import nn
 from torch.utils.data import Dataset
 from torchvision.transforms import v2
 
@@ -101,40 +101,3 @@ class SeededTransform(Dataset):
             torch.default_generator.manual_seed(sample_seed(self.seed, epoch, index))
             image = self.transform(image)
         return image, label if real else IGNORE_LABEL
-
-
-class Preprocess(nn.Module):
-    """uint8 batch on the device -> normalised float; ``augment`` adds the in-memory sets'
-    batched random crop and flip (streamed sets are augmented per sample in the workers)."""
-
-    def __init__(self, cfg: DataConfig, augment: bool, channels_last: bool = False) -> None:
-        super().__init__()
-        self.augment = augment
-        self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
-        mean = torch.tensor(cfg.mean).view(1, -1, 1, 1) * 255.0
-        std = torch.tensor(cfg.std).view(1, -1, 1, 1) * 255.0
-        self.register_buffer("mean", mean, persistent=False)
-        self.register_buffer("inv_std", 1.0 / std, persistent=False)
-
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        # The layout is set while the batch is still uint8 (a quarter of the bytes to move);
-        # float() keeps it, and the in-place ops allocate nothing more.
-        x = images.contiguous(memory_format=self.memory_format).float()
-        if self.augment:
-            x = random_crop_flip(x, padding=4).contiguous(memory_format=self.memory_format)
-        return x.sub_(self.mean).mul_(self.inv_std)
-
-
-def random_crop_flip(x: torch.Tensor, padding: int) -> torch.Tensor:
-    """Per-sample random crop (zero padding) and horizontal flip, for the whole batch at once."""
-    n, _, h, w = x.shape
-    padded = nn.functional.pad(x, (padding,) * 4)
-    oy = torch.randint(0, 2 * padding + 1, (n, 1), device=x.device)
-    ox = torch.randint(0, 2 * padding + 1, (n, 1), device=x.device)
-    rows = (oy + torch.arange(h, device=x.device))[:, None, :, None]
-    cols = (ox + torch.arange(w, device=x.device))[:, None, None, :]
-    batch = torch.arange(n, device=x.device)[:, None, None, None]
-    chan = torch.arange(x.shape[1], device=x.device)[None, :, None, None]
-    out = padded[batch, chan, rows, cols]
-    flip = torch.rand(n, device=x.device) < 0.5
-    return torch.where(flip[:, None, None, None], out.flip(3), out)

@@ -3,12 +3,16 @@ targets of MixUp / CutMix (``torchvision.transforms.v2``) applied to the device 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch.nn import functional as F
-from torchvision.transforms import v2
 
 from ddp_utils.config import DataConfig
 from ddp_utils.data import IGNORE_LABEL
+
+if TYPE_CHECKING:
+    from torchvision.transforms import v2
 
 
 def build_mixing(cfg: DataConfig) -> v2.Transform | None:
@@ -17,14 +21,16 @@ def build_mixing(cfg: DataConfig) -> v2.Transform | None:
     One class more than the data has: padding duplicates are mixed as that class, whose share
     of a target is then dropped (see ``Criterion.mix``).
     """
+    if cfg.mixup_alpha <= 0 and cfg.cutmix_alpha <= 0:
+        return None
+    from torchvision.transforms import v2  # only when mixing: runs without it start faster
+
     k = cfg.num_classes + 1
     mixes: list[v2.Transform] = []
     if cfg.mixup_alpha > 0:
         mixes.append(v2.MixUp(alpha=cfg.mixup_alpha, num_classes=k))
     if cfg.cutmix_alpha > 0:
         mixes.append(v2.CutMix(alpha=cfg.cutmix_alpha, num_classes=k))
-    if not mixes:
-        return None
     return mixes[0] if len(mixes) == 1 else v2.RandomChoice(mixes)
 
 

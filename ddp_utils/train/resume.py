@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from ddp_utils.config import ConfigError, TrainConfig, as_plain_dict
-from ddp_utils.data.imagefolder import class_difference
+from ddp_utils.data.classes import class_difference
 from ddp_utils.dist import Runtime, all_reduce_sum, broadcast_object
 from ddp_utils.optim import build_scheduler
 from ddp_utils.run import log
