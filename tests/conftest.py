@@ -97,11 +97,80 @@ def run_script(
     return proc
 
 
-def wait_for_step_checkpoint(run_dir: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
-    """Until the running ``proc`` has written its first step checkpoint into ``run_dir``."""
+def run_forked(
+    script: str,
+    *args: str,
+    cwd: Path = ROOT,
+    env: dict[str, str] | None = None,
+    timeout: float = 120,
+) -> subprocess.CompletedProcess:
+    """``python SCRIPT args`` in a fork of this test process, for runs that stop at a user's
+    mistake: the real entry script as ``__main__`` in a process of its own, with its own exit
+    code, stdout and stderr, but without paying again for the interpreter and torch (seconds
+    each). Runs that train use ``run_script``: a fork shares the parent's thread pools."""
+    import tempfile
+
+    import ddp_utils.entry  # noqa: F401 - imported once here rather than in every fork
+
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        sys.stdout.flush(), sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            _forked_main(str(ROOT / script), args, cwd, env or {}, out.fileno(), err.fileno())
+        deadline = time.time() + timeout
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0:
+            if time.time() > deadline:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+                raise subprocess.TimeoutExpired([script, *args], timeout)
+            time.sleep(0.01)
+        texts = []
+        for f in (out, err):
+            f.seek(0)
+            texts.append(f.read().decode())
+    return subprocess.CompletedProcess([script, *args], os.waitstatus_to_exitcode(done[1]), *texts)
+
+
+def _forked_main(script: str, args: tuple, cwd: Path, env: dict, out: int, err: int) -> None:
+    """The child of ``run_forked``: run ``script`` as ``__main__``; never returns to pytest."""
+    import runpy
+    import traceback
+
+    code = 1
+    try:
+        os.dup2(out, 1), os.dup2(err, 2)
+        sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+        sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+        os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(child_env(**env))
+        import torch
+
+        torch.set_num_threads(1)  # what OMP_NUM_THREADS=1 gives a new process
+        sys.argv = [script, *args]
+        try:
+            runpy.run_path(script, run_name="__main__")
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            if not isinstance(e.code, int | None):
+                print(e.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(code)
+
+
+def wait_for_step_checkpoint(
+    run_dir: Path, proc: subprocess.Popen, after: int = -1, timeout: float = 120
+) -> None:
+    """Until the running ``proc`` has written a step checkpoint later than step ``after``
+    into ``run_dir``."""
     deadline = time.time() + timeout
     while time.time() < deadline and proc.poll() is None:
-        if list((run_dir / "checkpoints").glob("step_*.pt")):
+        steps = [int(p.stem[5:]) for p in (run_dir / "checkpoints").glob("step_*.pt")]
+        if any(s > after for s in steps):
             return
         time.sleep(0.02)
     raise AssertionError(f"the run ended or stalled before a step checkpoint: {proc.communicate()}")

@@ -7,6 +7,7 @@ import json
 import pytest
 from conftest import (
     read_metrics,
+    run_forked,
     run_script,
     write_malicious_checkpoint,
 )
@@ -93,7 +94,7 @@ def test_bad_input_gives_a_clear_message_and_a_non_zero_exit(case, digits_run, t
     }[case]
     if case == "malicious":
         write_malicious_checkpoint(tmp_path / "evil.pt", marker)
-    proc = run_script("eval.py", *args, f"output={tmp_path}/out.json", check=False)
+    proc = run_forked("eval.py", *args, f"output={tmp_path}/out.json")
     assert proc.returncode == 2, proc.stderr
     assert expected in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "out.json").exists() and not marker.exists()
@@ -107,5 +108,5 @@ def test_missing_checkpoint_under_torchrun_reports_once(tmp_path):
 
 
 def test_checkpoint_is_required():
-    proc = run_script("eval.py", check=False)
+    proc = run_forked("eval.py")
     assert proc.returncode == 2 and "checkpoint=PATH is required" in proc.stderr

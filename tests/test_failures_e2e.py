@@ -16,8 +16,8 @@ import torch
 from conftest import (
     ROOT,
     child_env,
-    command,
     read_metrics,
+    run_forked,
     run_script,
     start_script,
     wait_for_step_checkpoint,
@@ -91,16 +91,10 @@ MISTAKES = {
 def test_every_mistake_is_one_paragraph_and_exit_code_2(tmp_path):
     afile = tmp_path / "a_file"
     afile.write_text("")
-    procs = {}
-    for override in MISTAKES:  # all at once: each is mostly interpreter start-up
-        arg = override.replace("FILE", str(afile))
-        procs[override] = subprocess.Popen(
-            command("train.py", (arg,), None), cwd=ROOT, env=child_env(),
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
-    for override, proc in procs.items():
-        out, err = proc.communicate(timeout=120)
-        assert proc.returncode == 2, (override, out, err)
+    for override in MISTAKES:
+        proc = run_forked("train.py", override.replace("FILE", str(afile)))
+        err = proc.stderr
+        assert proc.returncode == 2, (override, proc.stdout, err)
         lines = [line for line in err.splitlines() if line.strip()]
         assert len(lines) == 1 and lines[0].startswith("error: "), (override, err)
         assert MISTAKES[override] in lines[0], (override, lines[0])
@@ -124,8 +118,8 @@ def test_under_torchrun_a_mistake_and_cfg_print_once(tmp_path):
 
 def test_a_run_that_fails_before_training_leaves_no_run_dir(tmp_path):
     run = tmp_path / "new_run"
-    proc = run_script("train.py", "data=imagefolder", f"data.root={tmp_path}/missing",
-                      f"run_dir={run}", check=False)  # fmt: skip
+    proc = run_forked("train.py", "data=imagefolder", f"data.root={tmp_path}/missing",
+                      f"run_dir={run}")  # fmt: skip
     assert proc.returncode == 2 and "data.root" in proc.stderr
     assert not run.exists()
 

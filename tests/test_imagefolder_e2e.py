@@ -15,6 +15,7 @@ from conftest import (
     params,
     read_metrics,
     recorded_samples,
+    run_forked,
     run_script,
 )
 from imagefolders import folder_args, write_digits_folder
@@ -74,8 +75,7 @@ def test_eval_refuses_a_folder_with_other_classes(folder_run, folder, tmp_path):
     other = tmp_path / "other"
     shutil.copytree(folder / "val", other / "val")
     (other / "val" / "9").rename(other / "val" / "nine")
-    proc = run_script("eval.py", f"checkpoint={run}/checkpoints/last.pt", f"data.root={other}",
-                      check=False)  # fmt: skip
+    proc = run_forked("eval.py", f"checkpoint={run}/checkpoints/last.pt", f"data.root={other}")
     assert proc.returncode == 2
     assert "only in the checkpoint: ['9']; only in the folder: ['nine']" in proc.stderr
     assert "Traceback" not in proc.stderr

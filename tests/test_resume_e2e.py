@@ -19,6 +19,7 @@ from conftest import (
     params,
     read_metrics,
     recorded_samples,
+    run_forked,
     run_script,
     start_script,
     wait_for_step_checkpoint,
@@ -26,6 +27,8 @@ from conftest import (
 )
 
 from ddp_utils.preemption import PREEMPTED_EXIT
+
+DDP_RUN = [sys.executable, "-m", "ddp_utils.launch"]
 
 # Small batches give enough steps (72 per epoch at 2 processes) to interrupt mid-epoch.
 RUN = ("trainer.epochs=2", "data.batch_size=10", "trainer.ckpt_every_steps=10")
@@ -54,40 +57,43 @@ def test_sigkill_mid_epoch_then_elastic_restart_matches_uninterrupted(reference,
     assert [r["step"] for r in read_metrics(tmp_path)] == [72, 144]
 
 
-def test_sigterm_to_torchrun_checkpoints_the_stop_step_and_relaunch_matches(reference, tmp_path):
+def _stop_step(out: str, signame: str) -> int:
+    return int(out.split(f"stopped by {signame} at step ")[1].split(":")[0])
+
+
+def test_sigterm_then_ctrl_c_each_checkpoint_the_stop_step_and_the_run_resumes_exactly(
+    reference, tmp_path
+):
+    """One run stopped twice, each time resumed by the same command: SIGTERM to torchrun's
+    agent (which forwards it to the workers), then Ctrl-C to ``ddp-run``'s process group (as a
+    terminal sends it), then it finishes, equal to the uninterrupted run."""
     args = (*RUN, f"run_dir={tmp_path}")
     proc = start_script("train.py", *args, nproc=2)
     wait_for_step_checkpoint(tmp_path, proc)
-    proc.send_signal(signal.SIGTERM)  # to the torchrun agent, which forwards it to the workers
+    proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode != 0
     log = (tmp_path / "train.log").read_text()
     assert f"exiting with code {PREEMPTED_EXIT}" in log, out + err
-    stop_step = int(log.split("stopped by SIGTERM at step ")[1].split(":")[0])
+    first_stop = _stop_step(log, "SIGTERM")
     ckpt = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)
-    assert ckpt["step"] == stop_step and stop_step < 144
-    run_script("train.py", *args, nproc=2)  # the same command again resumes and finishes
-    assert_same_params(params(tmp_path), params(reference))
+    assert ckpt["step"] == first_stop < 144
 
-
-def test_ctrl_c_to_the_launcher_group_checkpoints_and_relaunch_matches(reference, tmp_path):
-    """SIGINT to the launcher's process group, as a terminal's Ctrl-C sends it."""
-    args = (*RUN, f"run_dir={tmp_path}")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ddp_utils.launch", "--standalone", "--nproc_per_node=2",
-         str(ROOT / "train.py"), *args],
+        [*DDP_RUN, "--standalone", "--nproc_per_node=2", str(ROOT / "train.py"), *args],
         cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,
     )  # fmt: skip
-    wait_for_step_checkpoint(tmp_path, proc)
+    wait_for_step_checkpoint(tmp_path, proc, after=first_stop)
     os.killpg(proc.pid, signal.SIGINT)
     out, _ = proc.communicate(timeout=90)
     assert proc.returncode == 130, out
     assert "Traceback" not in out and "KeyboardInterrupt" not in out, out
-    assert out.count("stopped by SIGINT at step") == 1, out
-    stop_step = int(out.split("stopped by SIGINT at step ")[1].split(":")[0])
+    assert "resumed from" in out and out.count("stopped by SIGINT at step") == 1, out
+    second_stop = _stop_step(out, "SIGINT")
     ckpt = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)
-    assert ckpt["step"] == stop_step < 144
+    assert first_stop < ckpt["step"] == second_stop < 144
+
     run_script("train.py", *args, nproc=2)
     assert_same_params(params(tmp_path), params(reference))
 
@@ -102,7 +108,7 @@ def test_no_loadable_checkpoint_stops_with_the_list_and_best_survives(reference,
     last.write_bytes(last.read_bytes()[:1000])  # truncated
     assert torch.load(ckpts / "best.pt", weights_only=True)["epoch"] == 2  # its own file
     metrics = (run / "metrics.jsonl").read_text()
-    proc = run_script("train.py", *RUN, "trainer.epochs=3", f"run_dir={run}", check=False)
+    proc = run_forked("train.py", *RUN, "trainer.epochs=3", f"run_dir={run}")
     assert proc.returncode == 2, proc.stderr
     (line,) = [x for x in proc.stderr.splitlines() if x.startswith("error: ")]
     assert "found checkpoints" in line and "last.pt (" in line and "resume=PATH" in line
@@ -168,7 +174,7 @@ def test_resume_refusals(reference, tmp_path, case):
         run = tmp_path / "run"
         shutil.copytree(reference, run)
         args, expected = [f"run_dir={run}", "model=mlp"], "model.name: 'convnet' -> 'mlp'"
-    proc = run_script("train.py", *RUN, *args, check=False)
+    proc = run_forked("train.py", *RUN, *args)
     assert proc.returncode == 2, proc.stderr
     assert expected in proc.stderr and "Traceback" not in proc.stderr
     assert not marker.exists()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from conftest import MNIST_ROOT, compose_config, needs_mnist, read_metrics, run_script
+from conftest import MNIST_ROOT, compose_config, needs_mnist, read_metrics, run_forked, run_script
 
 from ddp_utils.config import DataConfig
 from ddp_utils.models import build_model
@@ -43,7 +43,7 @@ def test_bad_input_gives_one_message_and_a_non_zero_exit(tmp_path):
 
 
 def test_unknown_key_on_the_command_line_names_it(tmp_path):
-    proc = run_script("train.py", "trainer.epoch=3", check=False, cwd=tmp_path)
+    proc = run_forked("train.py", "trainer.epoch=3", cwd=tmp_path)
     assert proc.returncode != 0
     assert "epoch" in proc.stderr and "Traceback" not in proc.stderr
 
