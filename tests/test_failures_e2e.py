@@ -111,7 +111,7 @@ def test_under_torchrun_a_mistake_and_cfg_print_once(tmp_path):
     assert f"traceback : {printed[0]}" in proc.stderr
     proc = run_script("train.py", "--cfg", "job", nproc=2)
     assert proc.stdout.count("optim:") == 1
-    proc = run_script("train.py", "--help")
+    proc = run_forked("train.py", "--help")
     assert "model: convnet, custom, mlp" in proc.stdout and "schema" not in proc.stdout
     assert "optim.lr=0.1" in proc.stdout and "--cfg job" in proc.stdout
 
