@@ -158,6 +158,16 @@ def test_a_failing_sweep_job_is_reported_and_the_ranks_stay_in_step(tmp_path):
     assert lines.count(end) == 1 and "Traceback" not in proc.stderr.split(end)[0]  # once
 
 
+def test_a_sweep_whose_jobs_all_fail_before_training_still_ends_together(tmp_path):
+    # No job joined the process group: the ranks meet in one made for the end of the sweep.
+    proc = run_script("train.py", "-m", "optim.lr=-1,-2", nproc=2, cwd=tmp_path, check=False)
+    sweep, rows = _summary(tmp_path / "multirun")
+    assert [r["status"] for r in rows] == ["FAILED", "FAILED"], proc.stderr[-3000:]
+    end = f"error: 2 of 2 sweep jobs failed; see multirun/{sweep.name}/summary.csv"
+    assert proc.stderr.splitlines().count(end) == 1, proc.stderr[-3000:]
+    assert "exitcode  : 2" in proc.stderr  # rank 0's code: a configuration mistake
+
+
 def test_sweep_with_the_torchrun_launcher_runs_each_job_as_a_torchrun_job(tmp_path):
     proc = run_script("train.py", "-m", "hydra/launcher=torchrun",
                       "hydra.launcher.nproc_per_node=2", "optim.lr=0.05,0.01",
