@@ -25,7 +25,13 @@ from ddp_utils.config import ConfigError, register_configs
 from ddp_utils.dist import finish_together, read_launch_env
 from ddp_utils.preemption import INTERRUPTED_EXIT, Preempted, pass_on
 from ddp_utils.run import log_to_files
-from ddp_utils.sweep import failed_jobs, in_sweep, register_sweep_configs, running_sweep
+from ddp_utils.sweep import (
+    failed_jobs,
+    in_sweep,
+    jobs_run_here,
+    register_sweep_configs,
+    running_sweep,
+)
 
 USER_ERROR_EXIT = 2
 NON_MAIN_EXIT_DELAY_S = 2.0
@@ -118,10 +124,12 @@ def user_errors(main: Callable[[], Any]) -> Callable[[], Any]:
 
 
 def end_sweep(error: Exception | None) -> None:
-    """After an in-process sweep: every rank waits for the others (global rank 0 may still be
-    writing the summary), then a failed sweep exits non-zero with one line, not Hydra's
-    re-raise of its first failure on every rank (each failure was logged as it happened)."""
-    finish_together()
+    """After a sweep whose jobs ran on every rank here, every rank waits for the others (global
+    rank 0 may still be writing the summary). Then a failed sweep exits non-zero with one line,
+    not Hydra's re-raise of its first failure on every rank (each failure was logged as it
+    happened)."""
+    if jobs_run_here():
+        finish_together()
     if error is None:
         return
     sweep_dir = running_sweep()

@@ -39,6 +39,7 @@ SUMMARY_KEYS = (
 # Resolved once per process: a launcher re-resolves the sweep directory for every job.
 _STARTED = time.strftime("%Y-%m-%d_%H-%M-%S")
 _running_sweep: Path | None = None  # set on every rank when this process starts a sweep
+_jobs_run_here = False  # Hydra's basic launcher: the sweep's jobs run inside this process
 
 
 def sweep_dir_name() -> str:
@@ -61,6 +62,12 @@ def sweep_job_dir() -> str | None:
 def running_sweep() -> Path | None:
     """The sweep directory, once this process has started an in-process sweep."""
     return _running_sweep
+
+
+def jobs_run_here() -> bool:
+    """Whether the running sweep's jobs run in this process (on every rank), rather than as
+    jobs of their own (the torchrun and submitit launchers)."""
+    return _jobs_run_here
 
 
 def failed_jobs(sweep_dir: Path) -> tuple[int, int]:
@@ -107,8 +114,9 @@ class SweepSummary(Callback):
     """Records each sweep job's status and, at the end, prints the sweep's table."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        global _running_sweep
+        global _running_sweep, _jobs_run_here
         _running_sweep = Path(config.hydra.sweep.dir)
+        _jobs_run_here = config.hydra.launcher._target_.endswith(".BasicLauncher")
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
         if config.hydra.mode != RunMode.MULTIRUN or read_launch_env().rank != 0:
