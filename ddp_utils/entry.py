@@ -26,9 +26,9 @@ from ddp_utils.dist import finish_together, read_launch_env
 from ddp_utils.preemption import INTERRUPTED_EXIT, Preempted, pass_on
 from ddp_utils.run import log_to_files
 from ddp_utils.sweep import (
-    failed_jobs,
     in_sweep,
     jobs_run_here,
+    print_summary,
     register_sweep_configs,
     running_sweep,
 )
@@ -125,9 +125,9 @@ def user_errors(main: Callable[[], Any]) -> Callable[[], Any]:
 
 def end_sweep(error: Exception | None) -> None:
     """After a sweep whose jobs ran on every rank here, every rank waits for the others (global
-    rank 0 may still be writing the summary). Then a failed sweep exits non-zero with one line,
-    not Hydra's re-raise of its first failure on every rank (each failure was logged as it
-    happened)."""
+    rank 0 may still be writing the summary). Then a failed sweep prints its table and exits
+    non-zero with one line, not Hydra's re-raise of its first failure on every rank (each
+    failure was logged as it happened)."""
     if jobs_run_here():
         finish_together()
     if error is None:
@@ -135,7 +135,7 @@ def end_sweep(error: Exception | None) -> None:
     sweep_dir = running_sweep()
     with contextlib.suppress(KeyError, OSError):  # `record` wrote the first failure's there
         os.remove(os.environ["TORCHELASTIC_ERROR_FILE"])
-    failed, total = failed_jobs(sweep_dir)
+    failed, total = print_summary(sweep_dir)
     code = getattr(error, "exit_code", USER_ERROR_EXIT) if isinstance(error, ConfigError) else 1
     report(f"{failed} of {total} sweep jobs failed; see {sweep_dir / 'summary.csv'}", code)
 

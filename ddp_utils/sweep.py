@@ -70,13 +70,6 @@ def jobs_run_here() -> bool:
     return _jobs_run_here
 
 
-def failed_jobs(sweep_dir: Path) -> tuple[int, int]:
-    """How many of the sweep's recorded jobs failed, and how many were recorded."""
-    path = sweep_dir / "summary.json"
-    rows = json.loads(path.read_text()) if path.exists() else []
-    return sum(r["status"] == "FAILED" for r in rows), len(rows)
-
-
 def final_metrics(job_dir: Path) -> dict[str, Any]:
     path = job_dir / "metrics.jsonl"
     lines = path.read_text().splitlines() if path.exists() else []
@@ -141,11 +134,15 @@ class SweepSummary(Callback):
                 log.error("sweep job #%d failed:\n%s", job["job"], trace)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        if read_launch_env().rank != 0:
-            return
-        sweep_dir = Path(config.hydra.sweep.dir)
-        rows = write_summary(sweep_dir)
+        print_summary(Path(config.hydra.sweep.dir))  # (Hydra skips this when a job failed)
+
+
+def print_summary(sweep_dir: Path) -> tuple[int, int]:
+    """Global rank 0 prints the sweep's table; every rank gets (failed jobs, jobs)."""
+    rows = write_summary(sweep_dir) if read_launch_env().rank == 0 else []
+    if rows:
         print(f"sweep summary ({sweep_dir / 'summary.csv'}):\n{format_summary(rows)}", flush=True)
+    return sum(r["status"] == "FAILED" for r in rows), len(rows)
 
 
 def rank_zero_level() -> str:
