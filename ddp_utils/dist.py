@@ -165,14 +165,7 @@ def init_distributed(cfg: TrainerConfig, env: dict[str, str] | None = None) -> R
     timeout = timedelta(seconds=cfg.timeout_s)
     if not dist.is_initialized():
         if launch.launched:
-            dist.init_process_group(
-                backend,
-                store=launch_store(launch, timeout),
-                rank=launch.rank,
-                world_size=launch.world_size,
-                timeout=timeout,
-                device_id=device if device.type == "cuda" else None,
-            )
+            join_launch_group(launch, backend, timeout, device if device.type == "cuda" else None)
         else:
             # A one-process group keeps DDP and the evaluation on the same code path as torchrun.
             store = dist.HashStore()
@@ -186,6 +179,20 @@ def init_distributed(cfg: TrainerConfig, env: dict[str, str] | None = None) -> R
         local_world_size=launch.local_world_size,
         device=device,
         backend=backend,
+    )
+
+
+def join_launch_group(
+    launch: LaunchEnv, backend: str, timeout: timedelta, device_id: torch.device | None = None
+) -> None:
+    """Join the launcher's process group through its rendezvous store."""
+    dist.init_process_group(
+        backend,
+        store=launch_store(launch, timeout),
+        rank=launch.rank,
+        world_size=launch.world_size,
+        timeout=timeout,
+        device_id=device_id,
     )
 
 
@@ -204,9 +211,7 @@ def finish_together(timeout_s: float = 300.0) -> None:
     """
     launch = read_launch_env()
     if launch.world_size > 1 and not dist.is_initialized():
-        timeout = timedelta(seconds=timeout_s)
-        dist.init_process_group("gloo", store=launch_store(launch, timeout), rank=launch.rank,
-                                world_size=launch.world_size, timeout=timeout)  # fmt: skip
+        join_launch_group(launch, "gloo", timedelta(seconds=timeout_s))
     barrier()
     shutdown()
 

@@ -16,7 +16,7 @@ import re
 import sys
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 from hydra.errors import HydraException, MissingConfigException
 from omegaconf.errors import OmegaConfBaseException
@@ -47,7 +47,7 @@ def register() -> None:
     register_sweep_configs()
 
 
-def report(message: str, exit_code: int, rank_specific: bool = False) -> None:
+def report(message: str, exit_code: int, rank_specific: bool = False) -> NoReturn:
     """Print a user-facing error once (global rank 0, or every rank for a rank's own error)
     and exit. Under torchrun it also becomes the error file that ``record`` would write, so
     that torchrun's failure summary shows this line as the root cause, not a traceback."""
@@ -115,24 +115,27 @@ def user_errors(main: Callable[[], Any]) -> Callable[[], Any]:
                 report(hydra_error_paragraph(e), USER_ERROR_EXIT)
             if running_sweep() is None:
                 raise  # a bug inside a job, with its traceback
-            end_sweep(e)
+            end_sweep()
+            report_failed_sweep(e)
         if running_sweep() is not None:
-            end_sweep(None)
+            end_sweep()
         return result
 
     return wrapper
 
 
-def end_sweep(error: Exception | None) -> None:
-    """After a sweep whose jobs ran on every rank here, every rank waits for the others (global
-    rank 0 may still be writing the summary). Then a failed sweep prints its table and exits
-    non-zero with one line, not Hydra's re-raise of its first failure on every rank (each
-    failure was logged as it happened)."""
+def end_sweep() -> None:
+    """After a sweep whose jobs ran on every rank here, every rank waits for the others: global
+    rank 0 may still be writing the summary."""
     if jobs_run_here():
         finish_together()
-    if error is None:
-        return
+
+
+def report_failed_sweep(error: Exception) -> NoReturn:
+    """The table and one line from rank 0, exit non-zero: not Hydra's re-raise of the first
+    failure on every rank (each failure was logged as it happened)."""
     sweep_dir = running_sweep()
+    assert sweep_dir is not None
     with contextlib.suppress(KeyError, OSError):  # `record` wrote the first failure's there
         os.remove(os.environ["TORCHELASTIC_ERROR_FILE"])
     failed, total = print_summary(sweep_dir)

@@ -11,9 +11,12 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 
-from ddp_utils.config import ConfigError, DataConfig, TrainConfig, to_schema
+from ddp_utils.config import ConfigError, DataConfig, TrainConfig, as_plain_dict, to_schema
+from ddp_utils.data import build_eval_data
+from ddp_utils.data.classes import class_difference
 from ddp_utils.dist import Runtime, init_distributed
 from ddp_utils.files import atomic_write
+from ddp_utils.metrics import evaluate
 from ddp_utils.models import build_model
 from ddp_utils.run import log, setup_logging
 from ddp_utils.train.checkpoint import load_checkpoint, load_model_state
@@ -68,16 +71,11 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
         model_weights(ckpt, checkpoint, cfg.ema),
         f"checkpoint={checkpoint}",
         f"It was trained as {describe(ckpt['config'])}; this run asks for "
-        f"{describe(OmegaConf.to_container(OmegaConf.structured(train_cfg)))}. Drop the "
+        f"{describe(as_plain_dict(train_cfg))}. Drop the "
         "model/data overrides, or evaluate a checkpoint of that model and data.",
     )
     rt = init_distributed(train_cfg.trainer)
     setup_logging(None, rt, "eval")
-    # Loaded only now (torchvision costs seconds a process), so that a missing, torn or
-    # mismatched checkpoint answers without it.
-    from ddp_utils.data import build_eval_data
-    from ddp_utils.metrics import evaluate
-
     data = train_cfg.data
     # The memory format training validated in: the same kernels, so the same numbers.
     channels_last = train_cfg.trainer.channels_last
@@ -117,8 +115,6 @@ def check_classes(
     """Refuse a folder whose classes are not the ones the checkpoint was trained on."""
     if trained is None or found is None or trained == found:
         return
-    from ddp_utils.data.classes import class_difference
-
     diff = class_difference(trained, found, "the checkpoint", "the folder")
     raise ConfigError(
         f"the classes of data.root={data.root} ({data.split} split) differ from those "

@@ -138,7 +138,8 @@ class SweepSummary(Callback):
 
 
 def print_summary(sweep_dir: Path) -> tuple[int, int]:
-    """Global rank 0 prints the sweep's table; every rank gets (failed jobs, jobs)."""
+    """Global rank 0 writes and prints the sweep's table and gets (failed jobs, jobs); the
+    other ranks, which print nothing, get (0, 0)."""
     rows = write_summary(sweep_dir) if read_launch_env().rank == 0 else []
     if rows:
         print(f"sweep summary ({sweep_dir / 'summary.csv'}):\n{format_summary(rows)}", flush=True)

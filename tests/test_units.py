@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 from unittest import mock
 
 import numpy as np
@@ -277,3 +279,25 @@ def test_digits_are_scikit_learns_load_digits():
     images, target = digits_arrays()
     bunch = load_digits()
     assert np.array_equal(images, bunch.images) and np.array_equal(target, bunch.target)
+
+
+def test_in_memory_runs_load_neither_torchvision_nor_pyplot():
+    """What keeps the start-up of every in-memory run short: training, evaluation, the data's
+    front door, the loss and the plots load without torchvision or pyplot (seconds a process)."""
+    code = """
+import sys, torch
+from ddp_utils.config import DataConfig
+from ddp_utils.data import build_data
+from ddp_utils.dist import Runtime
+from ddp_utils.train.loss import build_mixing
+import ddp_utils.evaluation, ddp_utils.plot, ddp_utils.train.loop
+rt = Runtime(0, 0, 1, 1, torch.device("cpu"), "gloo")
+assert len(build_data(DataConfig(), rt, seed=0).train_sampler) > 0
+assert build_mixing(DataConfig()) is None
+heavy = ("torchvision", "matplotlib.pyplot")
+print(sorted(m for m in sys.modules if m == heavy[1] or m.split(".")[0] == heavy[0]))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
