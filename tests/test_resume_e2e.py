@@ -192,5 +192,5 @@ def test_a_stalled_rank_ends_the_job_within_the_timeout(tmp_path):
     assert proc.returncode != 0
     stalled_at = float(mark.read_text())
     assert start < stalled_at < ended
-    assert ended - stalled_at <= timeout_s + 8, ended - stalled_at
+    assert ended - stalled_at <= timeout_s + 8, (ended - stalled_at, proc.stderr[-6000:])
     assert "no training step for 10 s" in proc.stderr
