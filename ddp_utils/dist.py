@@ -10,7 +10,7 @@ import atexit
 import contextlib
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -238,6 +238,28 @@ def any_rank(flag: bool) -> bool:
     flags: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(flags, flag)
     return any(flags)
+
+
+def broadcast_buffers(modules: Iterable[torch.nn.Module], src: int = 0) -> None:
+    """Every rank gets rank ``src``'s buffers of ``modules`` (BatchNorm's running statistics).
+
+    DDP copies rank 0's buffers to the others only at the start of a training forward, so
+    after a step each rank holds statistics of its own batches; a rank that evaluates or
+    saves then would score a model nobody saved. One broadcast for all of them: float64 holds
+    every float32/16 value and every integer count below 2**53 exactly.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    buffers = [b for m in modules for b in m.buffers()]
+    if not buffers:
+        return
+    flat = torch.cat([b.detach().reshape(-1).double() for b in buffers])
+    dist.broadcast(flat, src)
+    offset = 0
+    for b in buffers:
+        n = b.numel()
+        b.detach().copy_(flat[offset : offset + n].view(b.shape))
+        offset += n
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:

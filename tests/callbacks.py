@@ -54,12 +54,29 @@ class SampleRecorder(Callback):
             f.write(json.dumps(record) + "\n")
 
 
+class ValidationDump(Callback):
+    """Rank 0 writes each epoch's full validation results (``tr.validation``: the confusion
+    matrix too) to ``folder/epoch<N>.json``."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = Path(folder)
+
+    def on_epoch_end(self, tr, record) -> None:
+        if tr.rt.is_main:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            (self.folder / f"epoch{record['epoch']}.json").write_text(json.dumps(tr.validation))
+
+
 def fault(kind: str, step: int, rank: int, mark: str | None = None) -> str:
     """The override that attaches a ``Fault``."""
     extra = f",mark:'{mark}'" if mark else ""
     return (
         f"callbacks=[{{_target_:tests.callbacks.Fault,kind:{kind},step:{step},rank:{rank}{extra}}}]"
     )
+
+
+def dump_validation(folder: Path) -> str:
+    return f"callbacks=[{{_target_:tests.callbacks.ValidationDump,folder:'{folder}'}}]"
 
 
 def recorder(folder: Path) -> str:

@@ -12,7 +12,7 @@ from torch import nn
 
 from ddp_utils.config import TrainConfig
 from ddp_utils.data import BAD_LABEL, IGNORE_LABEL
-from ddp_utils.dist import Runtime, all_reduce_sum
+from ddp_utils.dist import Runtime, all_reduce_sum, broadcast_buffers
 from ddp_utils.metrics import evaluate
 from ddp_utils.preemption import Preempted
 from ddp_utils.run import (
@@ -156,6 +156,7 @@ def validate(tr: Training, model: nn.Module, prefix: str) -> dict[str, Any]:
     """``prefix/accuracy``, ``prefix/loss``, ... of ``model`` on the validation set."""
     d = tr.cfg.data
     val = evaluate(model, tr.data.val, tr.data.preprocess_eval, tr.rt, d.num_classes, tr.amp)
+    tr.validation[prefix] = val
     keys = ["accuracy", "loss", "f1_macro", "num_samples"]
     keys += ["skipped_images"] if d.skip_bad_images else []
     return {f"{prefix}/{k}": val[k] for k in keys}
@@ -166,6 +167,9 @@ def validate_and_save(tr: Training, train_stats: dict[str, float]) -> dict[str, 
     of the next epoch."""
     if not math.isfinite(train_stats["train/loss"]):  # all-reduced: the same on every rank
         raise diverged(tr, "the training loss")
+    # Validate exactly what the checkpoint below holds: rank 0's running statistics. (Training
+    # is unchanged: DDP hands every rank rank 0's buffers at the next forward anyway.)
+    broadcast_buffers([tr.raw_model] + ([tr.ema.module] if tr.ema is not None else []))
     record = {
         "epoch": tr.epoch, "step": tr.step, "world_size": tr.rt.world_size, "lr": current_lr(tr),
         **train_stats, **validate(tr, tr.raw_model, "val"),

@@ -6,7 +6,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -97,6 +97,9 @@ class Training:
     best_accuracy: float = -1.0
     best_ema_accuracy: float = -1.0
     first_step: int = 1  # the step number of this process's first step (after a resume too)
+    # The last validation's full results by prefix ("val", "val_ema"): the confusion matrix,
+    # per-class accuracy, ... of which metrics.jsonl keeps the headline numbers.
+    validation: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def close(self, drain: bool = True) -> None:
         """Stop the helpers: signal handlers, watchdog, progress bar, TensorBoard writer."""
