@@ -197,3 +197,56 @@ def test_recipe_transforms_join_the_training_preset_and_stay_seeded():
     assert ds[(2, 3)][0].shape == (3, 10, 10) and torch.equal(ds[(2, 3)][0], ds[(2, 3)][0])
     with pytest.raises(ConfigError, match="data.auto_augment, data.random_erase"):
         build_data(DataConfig(auto_augment="ra"), RT, seed=0)  # the in-memory digits
+
+
+def _touch(path, data: bytes = b"x") -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+
+
+def test_scan_follows_each_folder_once_and_skips_loops(tmp_path):
+    import logging
+
+    from ddp_utils.data.imagefolder import class_folders, scan
+
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    train = root / "train"
+    for name in ("coffee/a.png", "coffee/b.png", "coffee/sub/c.png", "chelsea/d.png"):
+        _touch(train / name)
+    _touch(root / "val" / "coffee" / "v.png")
+    _touch(outside / "e.png", b"outside")
+    links = {
+        "coffee/up": "..", "coffee/self": ".", "chelsea/loopy": "../../train",  # loops
+        "chelsea/cross": "../coffee/sub",  # another class's folder: its images stay there
+        "chelsea/twice.png": "../coffee/a.png",  # a file of another class, reached twice
+        "coffee/ext": str(outside),  # out of data.root: followed, with a warning
+        "coffee/ext_again": str(outside),  # the same folder through a second link
+        "coffee/leak": "../../val/coffee",  # into the val split
+        "coffee/gone.png": "nowhere.png",  # broken
+    }  # fmt: skip
+    for name, target in links.items():
+        (train / name).symlink_to(target)
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logger = logging.getLogger("ddp_recipes")
+    logger.addHandler(handler)
+    try:
+        index = scan(train, class_folders(train, "data.train_dir"))
+    finally:
+        logger.removeHandler(handler)
+    found = {index.paths[i]: index.classes[int(index.labels[i])] for i in range(len(index.labels))}
+    assert found == {
+        "chelsea/d.png": "chelsea", "coffee/a.png": "coffee", "coffee/b.png": "coffee",
+        "coffee/sub/c.png": "coffee", "coffee/ext/e.png": "coffee",
+    }  # fmt: skip
+    assert index.sizes.tolist()[index.classes.index("coffee") :][-1] == len(b"outside")
+    text = "\n".join(messages)
+    for name in ("coffee/up", "coffee/self", "chelsea/loopy"):
+        assert f"skipping the link {train / name} -> " in text and "a loop" in text
+    assert f"skipping the link {train / 'chelsea/cross'}" in text
+    assert f"skipping the link {train / 'coffee/ext_again'}" in text
+    assert f"skipping the link {train / 'coffee/leak'}" in text and "another split" in text
+    assert f"following the link {train / 'coffee/ext'} out of data.root" in text
+    assert f"skipping {train / 'coffee/gone.png'}" in text
+    assert "1 files reached twice" in text

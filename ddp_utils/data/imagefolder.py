@@ -32,7 +32,7 @@ from ddp_utils.run import log
 
 EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")  # matched without regard to case
 TORCHVISION_DECODES = (".jpg", ".jpeg", ".png", ".webp")  # others are decoded by PIL
-INDEX_VERSION = 1
+INDEX_VERSION = 2  # 2: links followed once
 
 
 class BadImageError(ConfigError):
@@ -132,25 +132,128 @@ def folder_key(folder: Path, dirs: list[os.DirEntry]) -> str:
     return hashlib.sha1(json.dumps(stats).encode()).hexdigest()
 
 
+def _inside(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder + os.sep)
+
+
+class FolderWalk:
+    """One pass over a split's class folders, listing each image file once.
+
+    Links are where a naive walk goes wrong (a link to ``..`` never ends; a link to ``.`` lists
+    a class once per level). So: real folders are listed first, in sorted order (a folder's
+    files, then its sub-folders); links to folders are followed afterwards, each folder (by
+    device and inode) at most once, so a link never takes images from the class they really
+    are in. A link into a folder that holds it (a loop), to a folder already listed (another
+    class's, say) or into another split is skipped with a warning; a link out of
+    ``data.root`` is followed, with a warning. A file reached twice counts once.
+    """
+
+    def __init__(self, folder: Path, dirs: list[os.DirEntry]) -> None:
+        self.split = os.path.realpath(folder)
+        self.root = os.path.realpath(folder.parent)
+        self.seen_dirs = {_key(os.stat(folder))} | {_key(d.stat()) for d in dirs}
+        self.seen_files: set[tuple[int, int]] = set()
+        self.found: list[list[tuple[str, int]]] = [[] for _ in dirs]  # (path, size) per class
+        self.dir_links: list[tuple[int, str]] = []  # followed once every real folder is listed
+        self.file_links: list[tuple[int, os.DirEntry]] = []
+        self.duplicates = 0
+        self.warnings: list[str] = []
+        for label, d in enumerate(dirs):
+            self._list(label, d.path)
+        while self.dir_links:
+            label, path = self.dir_links.pop(0)
+            if self._follow(path):
+                self._list(label, path)
+        for label, entry in self.file_links:
+            self._add(label, entry)
+
+    def _list(self, label: int, top: str) -> None:
+        stack = [top]
+        while stack:
+            with os.scandir(stack.pop()) as it:
+                entries = sorted(
+                    (e for e in it if not e.name.startswith(".")), key=lambda e: e.name
+                )
+            subdirs = []
+            for e in entries:
+                try:
+                    if e.is_dir():
+                        if e.is_symlink():
+                            self.dir_links.append((label, e.path))
+                        elif _key(e.stat()) not in self.seen_dirs:  # a bind mount seen twice
+                            self.seen_dirs.add(_key(e.stat()))
+                            subdirs.append(e.path)
+                    elif is_image(e.name):
+                        if e.is_symlink():
+                            self.file_links.append((label, e))
+                        else:
+                            self._add(label, e)
+                except OSError as err:  # a broken link, or a file gone while listing
+                    self.warnings.append(f"skipping {e.path}: {err.strerror or err}")
+            stack.extend(reversed(subdirs))
+
+    def _add(self, label: int, entry: os.DirEntry) -> None:
+        try:
+            st = entry.stat()
+        except OSError as err:
+            self.warnings.append(f"skipping {entry.path}: {err.strerror or err}")
+            return
+        if _key(st) in self.seen_files:
+            self.duplicates += 1
+            return
+        self.seen_files.add(_key(st))
+        self.found[label].append((entry.path, st.st_size))
+
+    def _follow(self, link: str) -> bool:
+        """Whether to list the folder ``link`` leads to; a warning says why not (or where)."""
+        try:
+            target, key = os.path.realpath(link), _key(os.stat(link))
+        except OSError as err:
+            self.warnings.append(f"skipping the link {link}: {err.strerror or err}")
+            return False
+        why = None
+        if _inside(os.path.realpath(os.path.dirname(link)), target):
+            why = "a loop: it leads to a folder that holds it"
+        elif key in self.seen_dirs:
+            why = "that folder is listed already (another class's folder, or a second link)"
+        elif _inside(target, self.root) and not _inside(target, self.split):
+            why = "it leads into another folder of data.root (another split?)"
+        if why:
+            self.warnings.append(f"skipping the link {link} -> {target}: {why}")
+            return False
+        self.seen_dirs.add(key)
+        if not _inside(target, self.root):
+            self.warnings.append(f"following the link {link} out of data.root, to {target}")
+        return True
+
+
+def _name(entry: os.DirEntry) -> str:
+    return entry.name
+
+
+def _key(st: os.stat_result) -> tuple[int, int]:
+    return st.st_dev, st.st_ino
+
+
 def scan(folder: Path, dirs: list[os.DirEntry]) -> FolderIndex:
-    """List every image under each class folder (recursively, sorted); refuse empty classes."""
+    """List every image under each class folder (``FolderWalk``); refuse empty classes."""
     start = time.perf_counter()
+    walk = FolderWalk(folder, dirs)
+    for message in walk.warnings:
+        log.warning("image folder scan: %s", message)
+    if walk.duplicates:
+        log.warning("image folder scan: %d files reached twice (through links or hard links) "
+                    "were counted once", walk.duplicates)  # fmt: skip
     paths, labels, sizes = [], [], []
-    for label, d in enumerate(dirs):
-        before = len(paths)
-        for parent, subdirs, files in os.walk(d.path, followlinks=True):
-            subdirs[:] = sorted(s for s in subdirs if not s.startswith("."))
-            for name in sorted(files):
-                if is_image(name):
-                    full = os.path.join(parent, name)
-                    paths.append(os.path.relpath(full, folder))
-                    sizes.append(os.stat(full).st_size)
-                    labels.append(label)
-        if len(paths) == before:
+    for label, (d, found) in enumerate(zip(dirs, walk.found, strict=True)):
+        if not found:
             raise ConfigError(
                 f"the class folder {d.path} holds no images ({', '.join(EXTENSIONS)}, any "
                 "case): add its images, or remove the folder."
             )
+        paths += [os.path.relpath(path, folder) for path, _ in found]
+        sizes += [size for _, size in found]
+        labels += [label] * len(found)
     log.info(
         "scanned %s: %d images in %d classes (%.1f s); index cached",
         folder, len(paths), len(dirs), time.perf_counter() - start,
