@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import struct
+import zlib
 from pathlib import Path
 
+import numpy as np
 import torch
 from PIL import Image
 
@@ -56,3 +59,21 @@ class _Digits(torch.utils.data.Dataset):
 def digits_datasets(limit: int | None = None):
     """A ``data=custom`` target: ``(train, val)`` of the digits, PIL images and float tensors."""
     return _Digits("train", True, limit), _Digits("val", False, limit)
+
+
+def write_png16(path: Path, image: np.ndarray) -> Path:
+    """A 16-bit PNG (grey, grey + alpha, RGB or RGBA: HW or HWC uint16), which PIL cannot
+    write in colour: the format's chunks by hand."""
+    h, w = image.shape[:2]
+    channels = 1 if image.ndim == 2 else image.shape[2]
+    color_type = {1: 0, 2: 4, 3: 2, 4: 6}[channels]
+    rows = b"".join(b"\x00" + image[y].astype(">u2").tobytes() for y in range(h))
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        crc = struct.pack(">I", zlib.crc32(kind + data))
+        return struct.pack(">I", len(data)) + kind + data + crc
+
+    header = struct.pack(">IIBBBBB", w, h, 16, color_type, 0, 0, 0)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header)
+                     + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))  # fmt: skip
+    return path

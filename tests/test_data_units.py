@@ -250,3 +250,73 @@ def test_scan_follows_each_folder_once_and_skips_loops(tmp_path):
     assert f"following the link {train / 'coffee/ext'} out of data.root" in text
     assert f"skipping {train / 'coffee/gone.png'}" in text
     assert "1 files reached twice" in text
+
+
+# Values 0, 257 * 128 and 65535 of 16 bits are 0, 128 and 255 of 8.
+WIDE = np.array([[0, 257 * 128], [65535, 65535]], dtype=np.uint16)
+
+
+@pytest.mark.parametrize("layout", ["I;16 by PIL", "grey", "grey+alpha", "RGB", "RGBA"])
+def test_16_bit_pngs_are_scaled_to_8_bits(tmp_path, layout):
+    from imagefolders import write_png16
+
+    path = tmp_path / "wide.png"
+    if layout == "I;16 by PIL":
+        Image.fromarray(WIDE).save(path)
+        assert Image.open(path).mode == "I;16"
+    else:
+        channels = {"grey": 1, "grey+alpha": 2, "RGB": 3, "RGBA": 4}[layout]
+        write_png16(path, np.stack([WIDE] * channels, -1) if channels > 1 else WIDE)
+    for channels in (1, 3):
+        image = decode(str(path), channels)
+        assert image.dtype == torch.uint8 and image.shape == (channels, 2, 2)
+        assert image[0].tolist() == [[0, 128], [255, 255]]
+
+
+def test_a_16_bit_png_among_8_bit_ones_batches(tmp_path):
+    from imagefolders import write_png16
+
+    from ddp_utils.data.transforms import eval_transform
+
+    folder = write_digits_folder(tmp_path / "f", limit=20)
+    write_png16(folder / "train" / "3" / "wide.png", np.full((8, 8), 40000, dtype=np.uint16))
+    cfg = folder_cfg(folder)
+    ds = SeededTransform(ImageFolderSource(load_index(cfg, "train", RT), cfg),
+                         eval_transform(cfg), seed=0)  # fmt: skip
+    images, labels = next(iter(DataLoader(ds, batch_size=len(ds), num_workers=0)))
+    assert images.dtype == torch.uint8 and len(labels) == len(ds)
+    assert round(40000 * 255 / 65535) in images.flatten().tolist()
+
+
+@pytest.mark.parametrize(
+    "array, expected",
+    [
+        (WIDE.astype(np.int32), [[0, 128], [255, 255]]),  # mode I: 16-bit data in 32 bits
+        (np.array([[0.0, 0.5], [1.0, 1.0]], dtype=np.float32), [[0, 128], [255, 255]]),  # F
+    ],
+)
+def test_pil_images_of_wide_modes_are_scaled(array, expected):
+    from ddp_utils.data.imagefolder import pil_to_uint8
+
+    image = pil_to_uint8(Image.fromarray(array), 1, "item")
+    assert image.dtype == torch.uint8 and image[0].tolist() == expected
+    assert pil_to_uint8(Image.fromarray(array), 3, "item").shape == (3, 2, 2)
+
+
+def test_images_out_of_range_are_refused_naming_them_or_skipped():
+    from ddp_utils.data.custom import CustomSource
+
+    items = [
+        (Image.fromarray(np.full((8, 8), 7.5, dtype=np.float32)), 1),  # mode F beyond [0, 1]
+        (Image.fromarray(np.full((8, 8), 70000, dtype=np.int32)), 2),  # mode I beyond 16 bits
+        (torch.full((8, 8), 300, dtype=torch.int32), 3),  # an int tensor beyond 8 bits
+        (torch.full((8, 8), 0.25), 4),  # fine
+    ]
+    cfg = DataConfig(name="custom", _target_="pkg.make", in_channels=1, image_size=8)
+    source = CustomSource(items, cfg, "train")
+    for i, what in enumerate(["mode F", "mode I", "dtype int32"]):
+        with pytest.raises(BadImageError, match=f"item {i}.*{what}.*data.skip_bad_images=true"):
+            source[i]
+    skipping = CustomSource(items, DataConfig(**{**cfg.__dict__, "skip_bad_images": True}), "train")
+    assert [skipping[i][1] for i in range(4)] == [-101, -101, -101, 4]
+    assert skipping[3][0].unique().tolist() == [64]

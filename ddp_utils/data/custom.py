@@ -1,10 +1,10 @@
 """Your own data set: ``data=custom data._target_=pkg.module.fn +data.NAME=VALUE``.
 
 The target (built with Hydra's ``instantiate``) returns ``(train, val)``: two map-style data
-sets whose items are ``(image, label)``, the image a PIL image or a tensor (uint8, or float in
-[0, 1]; CHW or HW). Each item is turned into a uint8 CHW tensor of ``data.in_channels``
-channels, then goes through the same seeded transforms, samplers and on-device
-normalisation as an image folder.
+sets whose items are ``(image, label)``, the image a PIL image (any mode: 16-bit and float
+ones are scaled to 8 bits) or a tensor (uint8, uint16, or float in [0, 1]; CHW or HW). Each
+item is turned into a uint8 CHW tensor of ``data.in_channels`` channels, then goes through the
+same seeded transforms, samplers and on-device normalisation as an image folder.
 """
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from torch.utils.data import Dataset
-from torchvision.transforms.v2 import functional as TF
 
 from ddp_utils.config import ConfigError, DataConfig
-from ddp_utils.data.imagefolder import match_channels
+from ddp_utils.data.imagefolder import BadImageError, match_channels, pil_to_uint8, to_uint8
+from ddp_utils.data.samplers import BAD_LABEL
+from ddp_utils.run import log
 
 
 def load_custom(cfg: DataConfig) -> tuple[Dataset, Dataset]:
@@ -49,25 +50,35 @@ def load_custom(cfg: DataConfig) -> tuple[Dataset, Dataset]:
 
 def to_uint8_image(image: Any, channels: int, where: str) -> torch.Tensor:
     if not isinstance(image, torch.Tensor):  # a PIL image
-        image = TF.pil_to_tensor(image.convert("L" if channels == 1 else "RGB"))
-    elif image.is_floating_point():
-        image = (image * 255.0).round().clamp(0, 255).to(torch.uint8)
-    elif image.dtype != torch.uint8:
-        image = image.clamp(0, 255).to(torch.uint8)
-    return match_channels(image, channels, where)
+        return pil_to_uint8(image, channels, where)
+    return match_channels(to_uint8(image, where), channels, where)
 
 
 class CustomSource(Dataset):
-    """A user's data set as ``(uint8 CHW image, int label)``."""
+    """A user's data set as ``(uint8 CHW image, int label)``; with ``data.skip_bad_images`` an
+    item whose image cannot be made one is skipped (``BAD_LABEL``) instead of stopping."""
 
     def __init__(self, ds: Dataset, cfg: DataConfig, split: str) -> None:
-        self.ds, self.channels = ds, cfg.in_channels
+        self.ds, self.channels, self.size = ds, cfg.in_channels, cfg.image_size
+        self.skip_bad = cfg.skip_bad_images
         self.where = f"data._target_={cfg._target_} ({split} set)"
         self.classes = list(getattr(ds, "classes", []) or []) or None
+        self.warned: set[int] = set()
 
     def __len__(self) -> int:
         return len(self.ds)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
         image, label = self.ds[i]
-        return to_uint8_image(image, self.channels, self.where), int(label)
+        try:
+            return to_uint8_image(image, self.channels, f"{self.where}, item {i}"), int(label)
+        except ConfigError as e:
+            if not self.skip_bad:
+                raise BadImageError(
+                    f"{e}. Fix the data set's item, or set data.skip_bad_images=true to skip "
+                    "such items."
+                ) from None
+            if i not in self.warned:
+                self.warned.add(i)
+                log.warning("skipping %s", e)
+            return torch.zeros(self.channels, self.size, self.size, dtype=torch.uint8), BAD_LABEL

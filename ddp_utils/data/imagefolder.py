@@ -318,17 +318,61 @@ def match_channels(image: torch.Tensor, channels: int, where: str) -> torch.Tens
     )
 
 
+# PIL's modes of more than 8 bits a channel: .convert("L") would clip them, not scale them.
+WIDE_PIL_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I", "F")
+FLOAT_SLACK = 1e-3  # resampling can overshoot [0, 1] by a rounding error
+
+
+def to_uint8(image: torch.Tensor, where: str) -> torch.Tensor:
+    """8 bits a channel: uint16 (16-bit PNGs) scaled by 255/65535, floats in [0, 1] by 255,
+    other integer types taken as 8-bit values; anything else is refused, naming it."""
+    if image.dtype == torch.uint8:
+        return image
+    if image.is_floating_point():
+        lo, hi = (float(v) for v in image.aminmax()) if image.numel() else (0.0, 0.0)
+        if not (lo >= -FLOAT_SLACK and hi <= 1 + FLOAT_SLACK):
+            raise ConfigError(
+                f"{where}: a float image with values in [{lo:g}, {hi:g}]; float images must lie "
+                "in [0, 1] (scale them, or store 8- or 16-bit images)"
+            )
+        return (image * 255.0).round().clamp(0, 255).to(torch.uint8)
+    wide = image.to(torch.int64)
+    top = 65535 if image.dtype == torch.uint16 else 255
+    lo, hi = (int(v) for v in wide.aminmax()) if image.numel() else (0, 0)
+    if lo < 0 or hi > top:
+        raise ConfigError(
+            f"{where}: an image of dtype {str(image.dtype).removeprefix('torch.')} with values "
+            f"in [{lo}, {hi}]; integer images must hold 8-bit values (0-255), or be uint16"
+        )
+    if top == 255:
+        return wide.to(torch.uint8)
+    return torch.div(wide * 255 + 32767, 65535, rounding_mode="floor").to(torch.uint8)
+
+
+def pil_to_uint8(im, channels: int, where: str) -> torch.Tensor:
+    """A PIL image as a uint8 CHW tensor of ``channels`` channels; 16-bit and float modes are
+    scaled to 8 bits (mode I, 32-bit integers, holds 16-bit data when PIL reads it)."""
+    if im.mode in WIDE_PIL_MODES:
+        array = np.array(im)
+        array = array.astype(array.dtype.newbyteorder("="), copy=False)  # I;16B is big-endian
+        if im.mode == "I" and array.size and array.min() >= 0 and array.max() <= 65535:
+            array = array.astype(np.uint16)
+        image = to_uint8(torch.from_numpy(array), f"{where} (mode {im.mode})")
+    else:
+        image = TF.pil_to_tensor(im.convert("L" if channels == 1 else "RGB"))
+    return match_channels(image, channels, where)
+
+
 def decode(path: str, channels: int) -> torch.Tensor:
     """Read and decode one image file into a uint8 CHW tensor of ``channels`` channels."""
     if path.lower().endswith(TORCHVISION_DECODES):
         mode = ImageReadMode.GRAY if channels == 1 else ImageReadMode.RGB
-        image = decode_image(read_file(path), mode=mode)
-    else:
-        from PIL import Image
+        image = to_uint8(decode_image(read_file(path), mode=mode), path)  # 16-bit PNGs: uint16
+        return match_channels(image, channels, path)
+    from PIL import Image
 
-        with Image.open(path) as im:
-            image = TF.pil_to_tensor(im.convert("L" if channels == 1 else "RGB"))
-    return match_channels(image, channels, path)
+    with Image.open(path) as im:
+        return pil_to_uint8(im, channels, path)
 
 
 class ImageFolderSource(Dataset):
