@@ -15,7 +15,7 @@ from ddp_utils.config import ConfigError, DataConfig, TrainConfig, as_plain_dict
 from ddp_utils.data import build_eval_data
 from ddp_utils.data.classes import class_difference
 from ddp_utils.dist import Runtime, init_distributed
-from ddp_utils.files import atomic_write
+from ddp_utils.files import UNWRITABLE, atomic_write, unwritable
 from ddp_utils.metrics import evaluate
 from ddp_utils.models import build_model
 from ddp_utils.run import log, setup_logging
@@ -128,10 +128,15 @@ def write_report(result: dict[str, Any], output: Path, what: str, rt: Runtime) -
     if not rt.is_main:
         return
     text = json.dumps(result, indent=2)
-    atomic_write(output, lambda f: f.write(text.encode()))
     from ddp_utils.plot import plot_confusion_matrix  # matplotlib: imported only when drawing
 
-    plot_confusion_matrix(result["confusion_matrix"], output.parent / "confusion_matrix.png")
+    try:
+        atomic_write(output, lambda f: f.write(text.encode()))
+        plot_confusion_matrix(result["confusion_matrix"], output.parent / "confusion_matrix.png")
+    except OSError as e:
+        if e.errno not in UNWRITABLE:
+            raise
+        raise unwritable(e, output.parent) from None
     lines = [
         f"{result['checkpoint']} on {what}: {result['num_samples']} samples, "
         f"world size {result['world_size']}",

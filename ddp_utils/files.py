@@ -2,13 +2,57 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
+
+from ddp_utils.config import ConfigError
+
+WRITE_FAILED_EXIT = 4
+# What a full disk, a quota, a read-only mount or lost permissions raise while writing.
+UNWRITABLE = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+class UnwritableError(ConfigError):
+    """The run's files cannot be written (no space, quota, read-only, permission)."""
+
+    exit_code = WRITE_FAILED_EXIT
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def unwritable(e: OSError, run_dir: Path) -> UnwritableError:
+    """The one paragraph for an ``UNWRITABLE`` error while writing into ``run_dir``."""
+    try:
+        usage = shutil.disk_usage(run_dir)
+        space = f"{_size(usage.free)} free of {_size(usage.total)}"
+    except OSError:
+        space = "free space unknown"
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        fix = ("Free space there (older runs; fewer step checkpoints with trainer.keep_last=1), "
+               "or move the run to a larger disk and pass its new run_dir=PATH")  # fmt: skip
+    else:
+        fix = "Make the folder writable again, or move the run and pass its new run_dir=PATH"
+    last = run_dir / "checkpoints" / "last.pt"
+    again = (
+        f"; relaunching continues from the last good checkpoint, {last}" if last.is_file() else ""
+    )
+    return UnwritableError(
+        f"cannot write {e.filename or run_dir} ({e.strerror or e}): run_dir={run_dir} has "
+        f"{space}. Nothing partial was left behind. {fix}{again}."
+    )
 
 
 def atomic_write(path: Path, write: Callable[[BinaryIO], Any]) -> None:
@@ -25,6 +69,9 @@ def atomic_write(path: Path, write: Callable[[BinaryIO], Any]) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:
+        e.filename = str(path)  # the file meant, not the temporary one
+        raise
     finally:
         tmp.unlink(missing_ok=True)
     dir_fd = os.open(path.parent, os.O_RDONLY)

@@ -9,6 +9,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from omegaconf import OmegaConf
 
 from ddp_utils.config import ConfigError
 from ddp_utils.dist import Runtime, barrier, broadcast_object, read_launch_env
+from ddp_utils.files import UNWRITABLE, UnwritableError, atomic_write, unwritable
 from ddp_utils.lock import LOCK_NAME, RunLock
 
 LOGGER_NAME = "ddp_recipes"
@@ -100,6 +102,34 @@ def remove_if_unused(run: RunDir, rt: Runtime) -> None:
         run.path.rmdir()  # fails, keeping it, if anything else is inside
 
 
+def write_on_main(run_dir: Path, rt: Runtime, write: Callable[[], Any]) -> None:
+    """The main rank calls ``write``; then every rank learns whether it failed for want of
+    space or permission, and all stop together with the same ``UnwritableError`` (alone,
+    the main rank would exit and leave the others in their next collective)."""
+    error = None
+    if rt.is_main:
+        try:
+            write()
+        except OSError as e:
+            if e.errno not in UNWRITABLE:
+                raise
+            error = str(unwritable(e, run_dir))
+    error = broadcast_object(error)
+    if error:
+        raise UnwritableError(error)
+
+
+class _LogFile(logging.FileHandler):
+    """A log file that, once the disk is full, stops writing instead of printing a traceback
+    per record (the console still shows them; the failing write itself is reported)."""
+
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 - logging's name
+        if isinstance(sys.exc_info()[1], OSError):
+            self.setLevel(logging.CRITICAL + 1)
+            return
+        super().handleError(record)
+
+
 class _RankPrefix(logging.Formatter):
     def __init__(self, rank: int) -> None:
         super().__init__(f"[rank {rank}] %(levelname)s %(message)s")
@@ -116,7 +146,7 @@ def setup_logging(run_dir: Path | None, rt: Runtime, name: str = "train") -> log
         console.setFormatter(logging.Formatter("%(message)s"))
         log.addHandler(console)
         if run_dir is not None:
-            f = logging.FileHandler(run_dir / f"{name}.log")
+            f = _LogFile(run_dir / f"{name}.log")
             f.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
             log.addHandler(f)
     else:
@@ -125,7 +155,7 @@ def setup_logging(run_dir: Path | None, rt: Runtime, name: str = "train") -> log
         console.setFormatter(_RankPrefix(rt.rank))
         log.addHandler(console)
         if run_dir is not None:
-            f = logging.FileHandler(run_dir / f"{name}.rank{rt.rank}.log", delay=True)
+            f = _LogFile(run_dir / f"{name}.rank{rt.rank}.log", delay=True)
             f.setLevel(logging.WARNING)
             f.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
             log.addHandler(f)
@@ -139,15 +169,28 @@ def log_to_files(level: int, message: str) -> None:
             h.handle(log.makeRecord(log.name, level, __file__, 0, message, None, None))
 
 
-def write_config(run_dir: Path, cfg: Any, rt: Runtime) -> None:
-    if rt.is_main:
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+def write_text(path: Path, text: str) -> None:
+    atomic_write(path, lambda f: f.write(text.encode()))
 
 
-def write_classes(run_dir: Path, classes: list[str] | None, rt: Runtime) -> None:
-    """``classes.json``: the class names in label order, where the data set has them."""
-    if rt.is_main and classes is not None:
-        (run_dir / "classes.json").write_text(json.dumps(classes, indent=1) + "\n")
+def write_run_files(run_dir: Path, files: dict[str, Callable[[], str]], rt: Runtime) -> None:
+    """The main rank writes each ``name: text()`` into ``run_dir`` (config.yaml, env.json,
+    classes.json, ...) atomically; an unwritable folder stops every rank together."""
+
+    def write() -> None:
+        for name, text in files.items():
+            write_text(run_dir / name, text())
+
+    write_on_main(run_dir, rt, write)
+
+
+def config_text(cfg: Any) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def classes_text(classes: list[str]) -> str:
+    """``classes.json``: the class names in label order."""
+    return json.dumps(classes, indent=1) + "\n"
 
 
 def strict_json(record: dict[str, Any]) -> str:
@@ -158,11 +201,21 @@ def strict_json(record: dict[str, Any]) -> str:
 
 
 def append_metrics(run_dir: Path, record: dict[str, Any], rt: Runtime) -> None:
-    if rt.is_main:
-        with open(run_dir / "metrics.jsonl", "a") as f:
-            f.write(strict_json(record) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+    """One line of metrics.jsonl, whole or not at all; every rank learns if it failed."""
+
+    def append() -> None:
+        with open(run_dir / "metrics.jsonl", "ab") as f:
+            size = f.tell()
+            try:
+                f.write((strict_json(record) + "\n").encode())
+                f.flush()
+                os.fsync(f.fileno())
+            except OSError as e:
+                f.truncate(size)  # no torn line for the resume to trip over
+                e.filename = str(run_dir / "metrics.jsonl")
+                raise
+
+    write_on_main(run_dir, rt, append)
 
 
 def seconds_since_process_start() -> float | None:

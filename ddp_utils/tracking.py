@@ -40,12 +40,25 @@ class Tracker:
         if self.enabled:
             self._open()
         if self.writer is not None:
-            for key, value in values.items():
-                self.writer.add_scalar(key, value, step)
+            try:
+                for key, value in values.items():
+                    self.writer.add_scalar(key, value, step)
+            except OSError as e:
+                self._give_up(e)
+
+    def _give_up(self, e: OSError) -> None:
+        # TensorBoard is a view of metrics.jsonl: a full disk stops it, not the training
+        # (whose next checkpoint or metrics line reports the disk, on every rank at once).
+        log.warning("TensorBoard logging stopped: cannot write %s (%s)", self.log_dir,
+                    e.strerror or e)  # fmt: skip
+        self.writer = None
 
     def close(self) -> None:
         if self.writer is not None:
-            self.writer.close()
+            try:
+                self.writer.close()
+            except OSError as e:
+                self._give_up(e)
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -83,6 +96,5 @@ def environment(rt: Runtime) -> dict[str, Any]:
     }
 
 
-def write_environment(run_dir: Path, rt: Runtime) -> None:
-    if rt.is_main:
-        (run_dir / "env.json").write_text(json.dumps(environment(rt), indent=2))
+def environment_text(rt: Runtime) -> str:
+    return json.dumps(environment(rt), indent=2)

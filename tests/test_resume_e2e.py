@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -194,3 +195,43 @@ def test_a_stalled_rank_ends_the_job_within_the_timeout(tmp_path):
     assert start < stalled_at < ended
     assert ended - stalled_at <= timeout_s + 8, (ended - stalled_at, proc.stderr[-6000:])
     assert "no training step for 10 s" in proc.stderr
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1 MiB tmpfs (skipped where this process may not mount one)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)],
+                             capture_output=True, text=True)  # fmt: skip
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip() or 'not root'}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_a_full_disk_stops_every_rank_with_one_message_and_resumes_exactly(reference, small_disk):
+    run = small_disk / "run"
+    filler = small_disk / "filler"
+    # Room for a few 150 KB checkpoints: the disk fills within the first epoch.
+    filler.write_bytes(b"\0" * (1024 * 1024 - 600 * 1024))
+    proc = run_script("train.py", *RUN, f"run_dir={run}", nproc=2, check=False)
+    assert proc.returncode != 0
+    assert "exitcode: 4" in proc.stderr or "exit code 4" in proc.stderr, proc.stderr[-3000:]
+    # Ours, not torchrun's: its summary after its traceback, its log lines (E1203 12:00...).
+    err = proc.stderr.split("Traceback")[0]
+    ours = [line for line in err.splitlines() if not re.match(r"[EWI]\d{4} ", line)]
+    assert [line for line in ours if "error" in line.lower()] == [
+        next(line for line in err.splitlines() if line.startswith("error: cannot write"))
+    ], proc.stderr[-5000:]
+    assert "No space left on device" in err and f"run_dir={run} has " in err and "free of" in err
+    assert "trainer.keep_last=1" in err and f"{run}/checkpoints/last.pt" in err
+    assert not list(run.rglob("*.tmp")), list(run.rglob("*"))
+    saved = torch.load(run / "checkpoints" / "last.pt", weights_only=True)
+    assert 0 < saved["step"] < 144
+    filler.unlink()
+    run_script("train.py", *RUN, f"run_dir={run}", "trainer.keep_last=1", nproc=2)
+    assert_same_params(params(run), params(reference))
+    assert [r["epoch"] for r in read_metrics(run)] == [0, 1]

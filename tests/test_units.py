@@ -301,3 +301,28 @@ print(sorted(m for m in sys.modules if m == heavy[1] or m.split(".")[0] == heavy
                           timeout=120, check=False)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    "code, fix",
+    [("ENOSPC", "Free space there"), ("EDQUOT", "Free space there"),
+     ("EROFS", "Make the folder writable"), ("EACCES", "Make the folder writable")],
+)  # fmt: skip
+def test_an_unwritable_run_dir_is_one_paragraph_and_leaves_no_torn_line(tmp_path, code, fix):
+    import errno
+    import os
+
+    from ddp_utils.files import WRITE_FAILED_EXIT, UnwritableError
+    from ddp_utils.run import append_metrics
+
+    rt = Runtime(0, 0, 1, 1, torch.device("cpu"), "gloo")
+    append_metrics(tmp_path, {"epoch": 0, "step": 1}, rt)
+    before = (tmp_path / "metrics.jsonl").read_bytes()
+    err = OSError(getattr(errno, code), os.strerror(getattr(errno, code)))
+    with mock.patch("os.fsync", side_effect=err), pytest.raises(UnwritableError) as e:
+        append_metrics(tmp_path, {"epoch": 1, "step": 2}, rt)
+    assert (tmp_path / "metrics.jsonl").read_bytes() == before
+    message = str(e.value)
+    assert message.startswith(f"cannot write {tmp_path / 'metrics.jsonl'} ({err.strerror})")
+    assert f"run_dir={tmp_path} has " in message and fix in message
+    assert e.value.exit_code == WRITE_FAILED_EXIT == 4

@@ -13,8 +13,9 @@ import torch
 from torch import nn
 
 from ddp_utils.config import ConfigError, whole_sentences
-from ddp_utils.dist import Runtime, barrier
+from ddp_utils.dist import Runtime
 from ddp_utils.files import atomic_save, atomic_write
+from ddp_utils.run import write_on_main
 
 
 def publish(src: Path, dst: Path, copy: bool = False) -> None:
@@ -47,14 +48,16 @@ def save_training_checkpoint(
     as ``best.pt``: a file of its own, so damage to last.pt or a step file leaves it whole),
     drop all but the newest ``keep_last`` step files. Every rank waits until that is done."""
     path = ckpt_dir / f"step_{state['step']:08d}.pt"
-    if rt.is_main:
+
+    def write() -> None:
         atomic_save(state, path)
         publish(path, ckpt_dir / "last.pt")
         for name in also:
             publish(path, ckpt_dir / name, copy=True)
         for old in step_checkpoints(ckpt_dir)[:-keep_last]:
             old.unlink()
-    barrier()
+
+    write_on_main(ckpt_dir.parent, rt, write)  # every rank waits for it, or stops with it
     return path
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,15 +18,16 @@ from ddp_utils.metrics import evaluate
 from ddp_utils.preemption import Preempted
 from ddp_utils.run import (
     append_metrics,
+    classes_text,
+    config_text,
     log,
     remove_if_unused,
     resolve_run_dir,
     seconds_since_process_start,
     setup_logging,
-    write_classes,
-    write_config,
+    write_run_files,
 )
-from ddp_utils.tracking import peak_memory_mb, write_environment
+from ddp_utils.tracking import environment_text, peak_memory_mb
 from ddp_utils.train.finite import diverged
 from ddp_utils.train.resume import resume, save
 from ddp_utils.train.state import (
@@ -226,10 +228,18 @@ def fit(cfg: TrainConfig, rt: Runtime, default_run_dir: str | None = None) -> fl
         if run.lock is not None:
             run.lock.release()
     if rt.is_main and (run.path / "metrics.jsonl").exists():
-        from ddp_utils.plot import plot_runs  # matplotlib: imported only when drawing
-
-        plot_runs([run.path], run.path / "curves.png")
+        draw_curves(run.path)
     return float(record.get("val/accuracy", float("nan")))
+
+
+def draw_curves(run_dir: Path) -> None:
+    """``curves.png`` once training is over: a picture, so a full disk only warns."""
+    from ddp_utils.plot import plot_runs  # matplotlib: imported only when drawing
+
+    try:
+        plot_runs([run_dir], run_dir / "curves.png")
+    except OSError as e:
+        log.warning("curves.png not drawn: %s", e.strerror or e)
 
 
 def train_epochs(tr: Training) -> dict[str, Any]:
@@ -237,9 +247,10 @@ def train_epochs(tr: Training) -> dict[str, Any]:
     cfg, rt, t = tr.cfg, tr.rt, tr.cfg.trainer
     resume(tr)
     tr.first_step = tr.step + 1
-    write_config(tr.run_dir, cfg, rt)
-    write_environment(tr.run_dir, rt)
-    write_classes(tr.run_dir, tr.data.classes, rt)
+    files = {"config.yaml": lambda: config_text(cfg), "env.json": lambda: environment_text(rt)}
+    if tr.data.classes is not None:
+        files["classes.json"] = lambda: classes_text(tr.data.classes)
+    write_run_files(tr.run_dir, files, rt)
     log.info(
         "run_dir %s | world size %d | device %s | backend %s | precision %s | global batch %d "
         "(%d per process x %d processes x %d accumulation steps) | %d steps",
