@@ -136,7 +136,7 @@ def write_report(result: dict[str, Any], output: Path, what: str, rt: Runtime) -
     except OSError as e:
         if e.errno not in UNWRITABLE:
             raise
-        raise unwritable(e, output.parent) from None
+        raise unwritable(e, output.parent, key="output") from None
     lines = [
         f"{result['checkpoint']} on {what}: {result['num_samples']} samples, "
         f"world size {result['world_size']}",

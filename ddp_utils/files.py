@@ -33,8 +33,9 @@ def _size(n: int) -> str:
     raise AssertionError("unreachable")
 
 
-def unwritable(e: OSError, run_dir: Path) -> UnwritableError:
-    """The one paragraph for an ``UNWRITABLE`` error while writing into ``run_dir``."""
+def unwritable(e: OSError, run_dir: Path, key: str = "run_dir") -> UnwritableError:
+    """The one paragraph for an ``UNWRITABLE`` error while writing into ``run_dir`` (the
+    folder that config ``key`` names: a run's, or eval.py's ``output``)."""
     try:
         usage = shutil.disk_usage(run_dir)
         space = f"{_size(usage.free)} free of {_size(usage.total)}"
@@ -42,15 +43,14 @@ def unwritable(e: OSError, run_dir: Path) -> UnwritableError:
         space = "free space unknown"
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         fix = ("Free space there (older runs; fewer step checkpoints with trainer.keep_last=1), "
-               "or move the run to a larger disk and pass its new run_dir=PATH")  # fmt: skip
+               f"or write to a larger disk with {key}=PATH")  # fmt: skip
     else:
-        fix = "Make the folder writable again, or move the run and pass its new run_dir=PATH"
+        fix = f"Make the folder writable again, or write elsewhere with {key}=PATH"
     last = run_dir / "checkpoints" / "last.pt"
-    again = (
-        f"; relaunching continues from the last good checkpoint, {last}" if last.is_file() else ""
-    )
+    resumes = key == "run_dir" and last.is_file()
+    again = f"; relaunching continues from the last good checkpoint, {last}" if resumes else ""
     return UnwritableError(
-        f"cannot write {e.filename or run_dir} ({e.strerror or e}): run_dir={run_dir} has "
+        f"cannot write {e.filename or run_dir} ({e.strerror or e}): {key}={run_dir} has "
         f"{space}. Nothing partial was left behind. {fix}{again}."
     )
 
