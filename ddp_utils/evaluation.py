@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
@@ -17,7 +16,8 @@ from ddp_utils.data.classes import class_difference
 from ddp_utils.dist import Runtime, init_distributed
 from ddp_utils.files import UNWRITABLE, atomic_write, unwritable
 from ddp_utils.metrics import evaluate
-from ddp_utils.models import build_model
+from ddp_utils.models import build_model, memory_format_of
+from ddp_utils.models.probe import check_classifier
 from ddp_utils.run import log, setup_logging
 from ddp_utils.train.checkpoint import load_checkpoint, load_model_state
 from ddp_utils.train.precision import amp_context, resolve_precision
@@ -82,19 +82,15 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
     loader, preprocess, classes = build_eval_data(data, rt, train_cfg.seed, channels_last)
     check_classes(ckpt.get("classes"), classes, checkpoint, data)
     precision = resolve_precision(train_cfg.trainer.precision, rt.device)
+    model.to(rt.device, memory_format=memory_format_of(channels_last))
+    check_classifier(model, train_cfg, rt.device)  # a head for another class count
     result = evaluate(
-        model.to(rt.device, memory_format=memory_format(channels_last)), loader, preprocess, rt,
-        data.num_classes,
-        amp_context(precision, rt.device),
-    )  # fmt: skip
+        model, loader, preprocess, rt, data.num_classes, amp_context(precision, rt.device)
+    )
     result.update(world_size=rt.world_size, checkpoint=str(checkpoint), ema=cfg.ema)
     output = Path(cfg.output) if cfg.output else default_output(checkpoint)
     write_report(result, output, f"{data.name}/{data.split}", rt)
     return result
-
-
-def memory_format(channels_last: bool) -> torch.memory_format:
-    return torch.channels_last if channels_last else torch.contiguous_format
 
 
 def model_weights(ckpt: dict[str, Any], checkpoint: Path, ema: bool) -> dict[str, Any]:

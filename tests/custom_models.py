@@ -16,3 +16,27 @@ class TinyNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(torch.relu(self.conv(x)).flatten(1))
+
+
+class NamedHead(nn.Module):
+    """A user's model whose class count is called ``n_out`` (default 10), so the builder cannot
+    pass ``num_classes``: the output-shape check must catch a mismatch."""
+
+    def __init__(self, in_channels: int = 1, n_out: int = 10):
+        super().__init__()
+        self.conv = nn.Conv2d(in_channels, 4, kernel_size=3, padding=1)
+        self.head = nn.Linear(4, n_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.conv(x)).mean(dim=(2, 3)))
+
+
+class Broken(nn.Module):
+    """A model with a bug in forward() at every size."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(3, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x.flatten(1))[:, :, None].squeeze(3)

@@ -162,3 +162,29 @@ def test_metrics_lines_are_strict_json(value, expected):
     assert json.loads(strict_json({"train/loss": value, "epoch": 0})) == {
         "train/loss": expected, "epoch": 0,
     }  # fmt: skip
+
+
+def test_a_model_whose_head_does_not_fit_the_data_stops_before_training(tmp_path):
+    """A user's model that names its class count ``n_out``: training and eval.py refuse it."""
+    env = {"PYTHONPATH": str(ROOT / "tests")}
+    named = ("model=custom", "model._target_=custom_models.NamedHead")
+    proc = run_forked("train.py", *named, "+model.n_out=3", f"run_dir={tmp_path}/r", env=env)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "has shape (2, 3), but data.num_classes=10 needs (2, 10)" in lines[0]
+    assert "n_out=10, given {'n_out': 3}" in lines[0] and not (tmp_path / "r").exists()
+    # A checkpoint of that model with its default 10 outputs, evaluated on 3 classes.
+    from conftest import compose_config
+
+    from ddp_utils.config import as_plain_dict
+    from ddp_utils.models import build_model
+
+    sys.path.insert(0, env["PYTHONPATH"])
+    cfg = compose_config(*named)
+    ckpt = tmp_path / "named.pt"
+    torch.save({"model": build_model(cfg.model, cfg.data).state_dict(),
+                "config": as_plain_dict(cfg)}, ckpt)  # fmt: skip
+    args = (f"checkpoint={ckpt}", "data=synthetic", "data.image_size=8", "data.num_classes=3")
+    proc = run_forked("eval.py", *args, f"output={tmp_path}/out.json", env=env)
+    assert proc.returncode == 2 and "but data.num_classes=3 needs (2, 3)" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "out.json").exists()

@@ -209,3 +209,33 @@ def test_no_module_of_the_package_reads_a_test_only_variable():
         if "DDP_RECIPES_" in p.read_text()
     ]  # fmt: skip
     assert offenders == []
+
+
+def _probe(*overrides: str) -> None:
+    from ddp_utils.models.probe import check_classifier
+
+    cfg = compose_config(*overrides)
+    check_classifier(build_model(cfg.model, cfg.data), cfg, torch.device("cpu"))
+
+
+def test_a_model_whose_output_does_not_fit_the_data_is_refused(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "tests"))
+    named = ("model=custom", "model._target_=custom_models.NamedHead")
+    _probe(*named)  # n_out's default, 10, is digits' class count
+    for extra, shape in (("+model.n_out=3", "(2, 3)"), ("data.num_classes=3", "(2, 10)")):
+        with pytest.raises(ConfigError) as e:
+            _probe(*named, extra)
+        text = str(e.value)
+        assert f"has shape {shape}, but data.num_classes=" in text, text
+        assert "custom_models.NamedHead (its parameters: in_channels=1, n_out=10" in text
+    with pytest.raises(RuntimeError):  # a bug at every size keeps its own error and traceback
+        _probe("model=custom", "model._target_=custom_models.Broken")
+
+
+def test_torchvision_models_are_sized_for_the_data_or_name_the_size_they_need():
+    _probe("model=torchvision", "model.arch=vit_b_32", "data.image_size=32")  # built for 32 px
+    with pytest.raises(ConfigError) as e:
+        _probe("model=torchvision", "model.arch=alexnet", "data.image_size=8")
+    assert "model=torchvision model.arch=alexnet cannot take data.image_size=8 images" in str(
+        e.value
+    ) and "It runs at data.image_size=" in str(e.value)

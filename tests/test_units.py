@@ -326,3 +326,19 @@ def test_an_unwritable_run_dir_is_one_paragraph_and_leaves_no_torn_line(tmp_path
     assert message.startswith(f"cannot write {tmp_path / 'metrics.jsonl'} ({err.strerror})")
     assert f"run_dir={tmp_path} has " in message and fix in message
     assert e.value.exit_code == WRITE_FAILED_EXIT == 4
+
+
+@pytest.mark.parametrize("precision, clip", [("32", None), ("bf16", 2.0)])
+def test_the_divergence_message_suggests_only_what_would_change(tmp_path, precision, clip):
+    from types import SimpleNamespace
+
+    from ddp_utils.train.finite import diverged
+
+    trainer = SimpleNamespace(grad_clip=clip, precision=precision)
+    cfg = SimpleNamespace(optim=SimpleNamespace(lr=0.1), trainer=trainer)
+    tr = SimpleNamespace(run_dir=tmp_path, step=3, epoch=0, cfg=cfg)
+    text = str(diverged(tr, "the training loss"))
+    assert "a lower optim.lr (now 0.1)" in text
+    assert ("trainer.precision=32" in text) == (precision != "32")
+    assert ("trainer.grad_clip=1.0" in text) == (clip is None)
+    assert ("a lower trainer.grad_clip (now 2)" in text) == (clip is not None)

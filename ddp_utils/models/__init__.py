@@ -69,6 +69,11 @@ def build_model(cfg: ModelConfig, data: DataConfig) -> nn.Module:
     return model
 
 
+def memory_format_of(channels_last: bool) -> torch.memory_format:
+    """``trainer.channels_last``: NHWC activations (and weights), else the default layout."""
+    return torch.channels_last if channels_last else torch.contiguous_format
+
+
 def classifier_keys(model: nn.Module) -> set[str]:
     """The state-dict keys of the last Linear layer: the classification head."""
     linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]

@@ -48,11 +48,13 @@ def adapt_stem(model: nn.Module, in_channels: int, image_size: int) -> nn.Module
 
 
 def torchvision_model(arch: str, num_classes: int, in_channels: int, image_size: int) -> nn.Module:
-    """``torchvision.models.get_model(arch, weights=None, num_classes=...)``, stem adapted."""
+    """``torchvision.models.get_model(arch, weights=None, num_classes=...)``, stem adapted; a
+    vision transformer is built for ``image_size`` (its position embedding has one size)."""
     names = torchvision.models.list_models(module=torchvision.models)
     if arch not in names:
         raise _unknown(arch, names, "torchvision.models")
-    model = torchvision.models.get_model(arch, weights=None, num_classes=num_classes)
+    sized = {"image_size": image_size} if arch.startswith("vit_") else {}
+    model = torchvision.models.get_model(arch, weights=None, num_classes=num_classes, **sized)
     return adapt_stem(model, in_channels, image_size)
 
 

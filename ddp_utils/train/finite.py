@@ -42,11 +42,15 @@ def diverged(tr: Training, what: str) -> NonFiniteError:
     saved = step_checkpoints(tr.run_dir / "checkpoints")
     last = f"{saved[-1]}" if saved else "none (the run has no checkpoint yet)"
     t = tr.cfg.trainer
+    tries = [f"a lower optim.lr (now {tr.cfg.optim.lr:g})"]
+    tries.append("trainer.grad_clip=1.0" if t.grad_clip is None else
+                 f"a lower trainer.grad_clip (now {t.grad_clip:g})")  # fmt: skip
+    if t.precision != "32":  # not a suggestion to make when it is in force already
+        tries.append(f"trainer.precision=32 (now {t.precision})")
     return NonFiniteError(
         f"{what} is not finite (NaN or inf) at step {tr.step}, epoch {tr.epoch}: the run "
-        f"stopped, and nothing non-finite was saved. Last good checkpoint: {last}. Try a lower "
-        f"optim.lr (now {tr.cfg.optim.lr:g}), trainer.grad_clip=1.0 (now {t.grad_clip}) or "
-        f"trainer.precision=32 (now {t.precision}); relaunching in this run_dir continues from "
+        f"stopped, and nothing non-finite was saved. Last good checkpoint: {last}. Try "
+        f"{', '.join(tries[:-1])} or {tries[-1]}; relaunching in this run_dir continues from "
         "the last good checkpoint."
     )
 

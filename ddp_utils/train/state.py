@@ -18,8 +18,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ddp_utils.config import ConfigError, TrainConfig, TrainerConfig, as_plain_dict
 from ddp_utils.data import DataBundle, build_data
 from ddp_utils.dist import Runtime
-from ddp_utils.models import build_model
+from ddp_utils.models import build_model, memory_format_of
 from ddp_utils.models.ema import EMA, ema_decay
+from ddp_utils.models.probe import check_classifier
 from ddp_utils.optim import build_optimizer, build_scheduler, warmup_steps
 from ddp_utils.preemption import StopRequest
 from ddp_utils.progress import Progress
@@ -51,8 +52,7 @@ def wrap_ddp(raw_model: nn.Module, cfg: TrainerConfig, rt: Runtime) -> nn.Module
     """SyncBatchNorm if asked, DDP, and optionally torch.compile; returns the training module."""
     if cfg.sync_bn:
         raw_model = nn.SyncBatchNorm.convert_sync_batchnorm(raw_model)
-    memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
-    raw_model.to(rt.device, memory_format=memory_format)
+    raw_model.to(rt.device, memory_format=memory_format_of(cfg.channels_last))
     model: nn.Module = DDP(
         raw_model,
         device_ids=[rt.device.index] if rt.device.type == "cuda" else None,
@@ -131,6 +131,7 @@ def build_training(cfg: TrainConfig, rt: Runtime, run_dir: Path) -> Training:
     raw_model = build_model(cfg.model, cfg.data)
     model = wrap_ddp(raw_model, t, rt)
     raw_model = model.module if isinstance(model, DDP) else model._orig_mod.module
+    check_classifier(raw_model, cfg, rt.device)
     seed_everything(cfg.seed + rt.rank)
     data = build_data(cfg.data, rt, seed=cfg.seed, channels_last=t.channels_last)
     steps_per_epoch = math.ceil(len(data.train) / t.grad_accum_steps)
