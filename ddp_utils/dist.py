@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import os
 import re
+import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -214,6 +216,31 @@ def finish_together(timeout_s: float = 300.0) -> None:
         join_launch_group(launch, "gloo", timedelta(seconds=timeout_s))
     barrier()
     shutdown()
+
+
+# What a collective raises when the rank at the other end is gone (gloo, and the stores).
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def lost_peer(e: BaseException) -> str | None:
+    """Why a collective failed when the cause is another rank (gone, or not answering within
+    ``trainer.timeout_s``); None for any other error."""
+    text = str(e)
+    if isinstance(e, RuntimeError) and any(marker in text for marker in PEER_GONE):
+        return "another rank is gone"
+    if isinstance(e, dist.DistError) or (isinstance(e, RuntimeError) and "Timed out" in text):
+        return "another rank stopped answering"
+    return None
+
+
+def write_error_file(message: str) -> None:
+    """torchrun's error file for this worker (the format ``record`` writes), if it has one."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or os.path.exists(path):
+        return
+    extra = {"py_callstack": message, "timestamp": str(int(time.time()))}
+    with contextlib.suppress(OSError), open(path, "w") as f:
+        json.dump({"message": {"message": message, "extraInfo": extra}}, f)
 
 
 def barrier() -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import logging
 import os
 import re
@@ -22,7 +21,7 @@ from hydra.errors import HydraException, MissingConfigException
 from omegaconf.errors import OmegaConfBaseException
 
 from ddp_utils.config import ConfigError, register_configs
-from ddp_utils.dist import finish_together, read_launch_env
+from ddp_utils.dist import finish_together, lost_peer, read_launch_env, write_error_file
 from ddp_utils.preemption import INTERRUPTED_EXIT, Preempted, pass_on
 from ddp_utils.run import log_to_files
 from ddp_utils.sweep import (
@@ -34,6 +33,7 @@ from ddp_utils.sweep import (
 )
 
 USER_ERROR_EXIT = 2
+PEER_LOST_EXIT = 1  # this rank stopped because another one failed
 NON_MAIN_EXIT_DELAY_S = 2.0
 # Flags that make Hydra print something and exit instead of running the job.
 PRINT_FLAGS = ("--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "-i")
@@ -64,16 +64,6 @@ def report(message: str, exit_code: int, rank_specific: bool = False) -> NoRetur
     sys.exit(exit_code)
 
 
-def write_error_file(message: str) -> None:
-    """torchrun's error file for this worker (the format ``record`` writes), if it has one."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path or os.path.exists(path):
-        return
-    extra = {"py_callstack": message, "timestamp": str(int(time.time()))}
-    with contextlib.suppress(OSError), open(path, "w") as f:
-        json.dump({"message": {"message": message, "extraInfo": extra}}, f)
-
-
 @contextlib.contextmanager
 def clean_exit() -> Iterator[None]:
     """Inside the Hydra job: exit codes without tracebacks for everything but crashes.
@@ -95,6 +85,16 @@ def clean_exit() -> Iterator[None]:
     except KeyboardInterrupt:  # Ctrl-C before the training loop took over SIGINT
         report("interrupted (Ctrl-C) before training started; nothing to save",
                INTERRUPTED_EXIT)  # fmt: skip
+    except Exception as e:
+        why = lost_peer(e)
+        if why is None or in_sweep():
+            raise
+        # The failing rank printed its own message (and is torchrun's root cause): this rank
+        # adds one line, not the collective's traceback.
+        print(f"[rank {read_launch_env().rank}] stopping: {why} (its message says why)",
+              file=sys.stderr, flush=True)  # fmt: skip
+        time.sleep(NON_MAIN_EXIT_DELAY_S)  # the failing rank stays torchrun's first failure
+        sys.exit(PEER_LOST_EXIT)
 
 
 def user_errors(main: Callable[[], Any]) -> Callable[[], Any]:

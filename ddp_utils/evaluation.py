@@ -21,6 +21,7 @@ from ddp_utils.models.probe import check_classifier
 from ddp_utils.run import log, setup_logging
 from ddp_utils.train.checkpoint import load_checkpoint, load_model_state
 from ddp_utils.train.precision import amp_context, resolve_precision
+from ddp_utils.watchdog import StepWatchdog
 
 EVAL_ONLY_KEYS = ("checkpoint", "output", "ema")
 
@@ -84,9 +85,12 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
     precision = resolve_precision(train_cfg.trainer.precision, rt.device)
     model.to(rt.device, memory_format=memory_format_of(channels_last))
     check_classifier(model, train_cfg, rt.device)  # a head for another class count
-    result = evaluate(
-        model, loader, preprocess, rt, data.num_classes, amp_context(precision, rt.device)
-    )
+    watchdog = StepWatchdog(train_cfg.trainer.timeout_s, rt.rank)
+    try:
+        result = evaluate(model, loader, preprocess, rt, data.num_classes,
+                          amp_context(precision, rt.device), watchdog)  # fmt: skip
+    finally:
+        watchdog.close()
     result.update(world_size=rt.world_size, checkpoint=str(checkpoint), ema=cfg.ema)
     output = Path(cfg.output) if cfg.output else default_output(checkpoint)
     write_report(result, output, f"{data.name}/{data.split}", rt)

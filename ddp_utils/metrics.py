@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader
 
 from ddp_utils.data.samplers import BAD_LABEL
 from ddp_utils.dist import Runtime, all_reduce_sum
+from ddp_utils.watchdog import StepWatchdog
 
 TOP_K = 5  # top-5 accuracy, reported when there are more than 5 classes
 
@@ -103,21 +104,28 @@ def evaluate(
     rt: Runtime,
     num_classes: int,
     amp: Callable[[], AbstractContextManager] = contextlib.nullcontext,
+    watchdog: StepWatchdog | None = None,
 ) -> dict[str, float | int | list]:
     """Score ``model`` (the unwrapped module) on the sharded ``loader``; same result on all ranks.
 
     The unwrapped model is used on purpose: a DDP forward may broadcast buffers, a collective
-    that would deadlock when ranks hold different numbers of batches.
+    that would deadlock when ranks hold different numbers of batches. ``watchdog`` times each
+    batch (not the final collective, where a rank waits for a slower one).
     """
     was_training = model.training
     model.eval()
     counts = EvalCounts(num_classes, rt.device)
+    beat = watchdog.beat if watchdog is not None else lambda phase: None
+    beat("val")
     for images, labels in loader:
         images = preprocess(images.to(rt.device, non_blocking=True))
         labels = labels.to(rt.device, non_blocking=True)
         with amp():
             logits = model(images)
         counts.update(logits.float(), labels)
+        beat("val")
+    if watchdog is not None:
+        watchdog.disarm()
     result = counts.compute()
     model.train(was_training)
     expected = len(loader.dataset)

@@ -1,8 +1,10 @@
-"""A per-rank watchdog: a rank that makes no training step for ``trainer.timeout_s`` exits.
+"""A per-rank watchdog: a rank that makes no progress for ``trainer.timeout_s`` exits.
 
 The collective timeout ends the ranks that wait on a stalled peer, but not the stalled rank
-itself, and torchrun then waits its 30 s grace period on it. With the watchdog the stalled
-rank leaves too, so the whole job ends within ``trainer.timeout_s`` plus a moment.
+itself (a DataLoader worker that blocks, on a hung file system say, leaves its rank waiting on
+the worker's queue for ever), and torchrun then waits its 30 s grace period on it. With the
+watchdog the stalled rank leaves too, naming what it waited for, so the whole job ends within
+``trainer.timeout_s`` plus a moment.
 """
 
 from __future__ import annotations
@@ -12,22 +14,30 @@ import sys
 import threading
 import time
 
+from ddp_utils.dist import write_error_file
+
 STALLED_EXIT = 1
+# What each phase waits for, for the message: (the event that did not come, where it is stuck).
+PHASES = {
+    "train": ("training step", "its training loader, the model or a collective"),
+    "val": ("validation batch", "its validation loader (a DataLoader worker that blocks?) or "
+            "the model"),
+}  # fmt: skip
 
 
 class StepWatchdog:
-    """Armed by the first ``beat()`` of an epoch, disarmed between epochs (validation, saves
-    at epoch end and start-up are not counted)."""
+    """Armed by the first ``beat()`` of a phase (training steps, validation batches), disarmed
+    between them (saves at epoch end, start-up and collectives outside them are not timed)."""
 
     def __init__(self, timeout_s: float, rank: int, poll_s: float = 0.5) -> None:
         self.timeout_s, self.rank, self.poll_s = timeout_s, rank, poll_s
-        self._last: float | None = None
+        self._last: tuple[float, str] | None = None
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="step-watchdog", daemon=True)
         self._thread.start()
 
-    def beat(self) -> None:
-        self._last = time.monotonic()
+    def beat(self, phase: str = "train") -> None:
+        self._last = (time.monotonic(), phase)
 
     def disarm(self) -> None:
         self._last = None
@@ -38,10 +48,14 @@ class StepWatchdog:
     def _watch(self) -> None:
         while not self._closed.wait(self.poll_s):
             last = self._last
-            if last is not None and time.monotonic() - last > self.timeout_s:
-                sys.stderr.write(
-                    f"[rank {self.rank}] error: no training step for {self.timeout_s:.0f} s "
-                    "(trainer.timeout_s): this rank is stuck; exiting so the job can end.\n"
+            if last is not None and time.monotonic() - last[0] > self.timeout_s:
+                event, where = PHASES[last[1]]
+                line = (
+                    f"[rank {self.rank}] error: no {event} for {self.timeout_s:.0f} s "
+                    f"(trainer.timeout_s): this rank is stuck in {where}; exiting so the job "
+                    "can end."
                 )
+                sys.stderr.write(line + "\n")
                 sys.stderr.flush()
+                write_error_file(line)  # torchrun's root cause: this rank, this line
                 os._exit(STALLED_EXIT)

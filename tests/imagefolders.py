@@ -77,3 +77,27 @@ def write_png16(path: Path, image: np.ndarray) -> Path:
     path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header)
                      + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))  # fmt: skip
     return path
+
+
+class _Stalling(_Digits):
+    """Validation digits whose item ``stall_at`` never arrives: the worker reading it blocks
+    (as on a hung file system) until the process it serves is gone."""
+
+    def __init__(self, stall_at: int) -> None:
+        super().__init__("val", False, None)
+        self.stall_at = stall_at
+
+    def __getitem__(self, i: int):
+        if i == self.stall_at:
+            import os
+            import time
+
+            parent = os.getppid()
+            while os.getppid() == parent:
+                time.sleep(0.2)
+        return super().__getitem__(i)
+
+
+def stalling_datasets(stall_at: int, limit: int = 200):
+    """A ``data=custom`` target: digits for training, and a validation set that stalls."""
+    return _Digits("train", True, limit), _Stalling(stall_at)

@@ -235,3 +235,23 @@ def test_a_full_disk_stops_every_rank_with_one_message_and_resumes_exactly(refer
     run_script("train.py", *RUN, f"run_dir={run}", "trainer.keep_last=1", nproc=2)
     assert_same_params(params(run), params(reference))
     assert [r["epoch"] for r in read_metrics(run)] == [0, 1]
+
+
+def test_a_stalled_validation_loader_ends_the_job_within_the_timeout(tmp_path):
+    timeout_s = 8
+    args = ("data=custom", "data._target_=imagefolders.stalling_datasets", "+data.stall_at=300",
+            "data.in_channels=1", "data.image_size=8", "data.resize_size=8",
+            "data.mean=[0.3]", "data.std=[0.38]", "data.num_workers=1", "trainer.epochs=1",
+            f"trainer.timeout_s={timeout_s}",
+            "logger=none", f"run_dir={tmp_path}/run")  # fmt: skip
+    start = time.time()
+    proc = run_script("train.py", *args, nproc=2, check=False, timeout=120,
+                      env={"PYTHONPATH": str(ROOT / "tests")})  # fmt: skip
+    assert proc.returncode != 0
+    assert time.time() - start < timeout_s + 45, proc.stderr[-4000:]
+    # Item 300 of 359 is on rank 0 (EvalShardSampler: contiguous shards of 180 and 179).
+    stalled = "error: no validation batch for 8 s (trainer.timeout_s): this rank is stuck in "
+    ours = [line for line in proc.stderr.split("Traceback")[0].splitlines()
+            if "error" in line and not re.match(r"[EWI]\d{4} ", line)]  # fmt: skip
+    assert len(ours) == 1 and stalled in ours[0] and "validation loader" in ours[0], ours
+    assert f"traceback : {ours[0]}" in proc.stderr  # torchrun's root cause

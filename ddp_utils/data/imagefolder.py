@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -393,6 +394,7 @@ class ImageFolderSource(Dataset):
             return decode(path, self.channels), int(self.index.labels[i])
         except (RuntimeError, OSError, ValueError) as e:
             last_line = str(e).strip().splitlines()[-1] if str(e).strip() else ""
+            last_line = re.sub(r"^\S+\(\), \S+:\d+, ", "", last_line)  # the C++ file and line
             reason = whole_sentences(last_line) or type(e).__name__
             if not self.skip_bad:
                 raise BadImageError(

@@ -157,7 +157,8 @@ def reached_max_steps(tr: Training) -> bool:
 def validate(tr: Training, model: nn.Module, prefix: str) -> dict[str, Any]:
     """``prefix/accuracy``, ``prefix/loss``, ... of ``model`` on the validation set."""
     d = tr.cfg.data
-    val = evaluate(model, tr.data.val, tr.data.preprocess_eval, tr.rt, d.num_classes, tr.amp)
+    val = evaluate(model, tr.data.val, tr.data.preprocess_eval, tr.rt, d.num_classes, tr.amp,
+                   tr.watchdog)  # fmt: skip
     tr.validation[prefix] = val
     keys = ["accuracy", "loss", "f1_macro", "num_samples"]
     keys += ["skipped_images"] if d.skip_bad_images else []
