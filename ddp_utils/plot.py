@@ -30,27 +30,50 @@ def read_records(run: Path) -> list[dict]:
     return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
 
 
-def plot_runs(runs: list[Path], out: Path) -> Path:
-    """Loss (train and val) and val accuracy per epoch, one line per run, in one figure."""
+def run_label(run: Path) -> str:
+    """A sweep job by its overrides (its ``job.json``), any other run by its folder's name."""
+    job = run / "job.json"
+    if job.is_file():
+        overrides = json.loads(job.read_text()).get("overrides") or []
+        if overrides:
+            return " ".join(overrides)
+    return run.name
+
+
+def draw_runs(runs: list[Path]) -> Figure:
+    """Loss (train and val, on a log axis, so one diverged run does not flatten the others)
+    and val accuracy per epoch, one line per run."""
     fig = Figure(figsize=(11, 4))
     ax_loss, ax_acc = fig.subplots(1, 2)
     for run in runs:
         records = read_records(run)
         epochs = [r["epoch"] for r in records]
-        label = run.name if len(runs) > 1 else None
-        (line,) = ax_loss.plot(epochs, [r["train/loss"] for r in records], marker="o",
+        label = run_label(run) if len(runs) > 1 else None
+        (line,) = ax_loss.plot(epochs, [_value(r, "train/loss") for r in records], marker="o",
                                label=f"{label} train" if label else "train")  # fmt: skip
-        ax_loss.plot(epochs, [r["val/loss"] for r in records], marker="s", linestyle="--",
-                     color=line.get_color(), label=f"{label} val" if label else "val")  # fmt: skip
-        ax_acc.plot(epochs, [r["val/accuracy"] for r in records], marker="o",
+        ax_loss.plot(epochs, [_value(r, "val/loss") for r in records], marker="s",
+                     linestyle="--", color=line.get_color(),
+                     label=f"{label} val" if label else "val")  # fmt: skip
+        ax_acc.plot(epochs, [_value(r, "val/accuracy") for r in records], marker="o",
                     color=line.get_color(), label=label or "val")  # fmt: skip
-    ax_loss.set(xlabel="epoch", ylabel="loss", title="loss")
+    ax_loss.set_yscale("log")
+    ax_loss.set(xlabel="epoch", ylabel="loss (log scale)", title="loss")
     ax_acc.set(xlabel="epoch", ylabel="accuracy", title="validation accuracy")
     for ax in (ax_loss, ax_acc):
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
     fig.tight_layout()
-    fig.savefig(out, dpi=100)
+    return fig
+
+
+def _value(record: dict, key: str) -> float:
+    """A number to draw: a missing or non-finite one (null in metrics.jsonl) leaves a gap."""
+    value = record.get(key)
+    return float("nan") if value is None else value
+
+
+def plot_runs(runs: list[Path], out: Path) -> Path:
+    draw_runs(runs).savefig(out, dpi=100)
     return out
 
 

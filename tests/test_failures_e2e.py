@@ -188,3 +188,20 @@ def test_a_model_whose_head_does_not_fit_the_data_stops_before_training(tmp_path
     proc = run_forked("eval.py", *args, f"output={tmp_path}/out.json", env=env)
     assert proc.returncode == 2 and "but data.num_classes=3 needs (2, 3)" in proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "out.json").exists()
+
+
+def test_the_plot_draws_loss_on_a_log_axis_and_labels_sweep_jobs_by_overrides(tmp_path):
+    from ddp_utils.plot import draw_runs, expand
+
+    for job, (lr, loss) in enumerate([("0.1", 0.5), ("1e9", 1.6e13)]):
+        run = tmp_path / str(job)
+        run.mkdir()
+        records = [{"epoch": e, "train/loss": loss / (e + 1), "val/loss": loss,
+                    "val/accuracy": 0.5} for e in range(3)]  # fmt: skip
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        (run / "job.json").write_text(json.dumps({"job": job, "overrides": [f"optim.lr={lr}"]}))
+    fig = draw_runs(expand([tmp_path]))
+    loss_axis, acc_axis = fig.axes
+    assert loss_axis.get_yscale() == "log"
+    labels = [t.get_text() for t in acc_axis.get_legend().get_texts()]
+    assert labels == ["optim.lr=0.1", "optim.lr=1e9"]
