@@ -26,7 +26,8 @@ def main(cfg: DictConfig) -> float:
 
     with clean_exit():
         try:
-            return run_eval(cfg)["accuracy"]
+            result = run_eval(cfg)
+            return result.get(result["monitor"], float("nan"))
         finally:
             shutdown()
 

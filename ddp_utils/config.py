@@ -26,6 +26,8 @@ LOADERS = ("auto", "tensor", "torch")
 INTERPOLATIONS = ("nearest", "bilinear", "bicubic")
 LOGGERS = ("tensorboard", "none")
 PROGRESS = ("auto", "true", "false")
+TASKS = ("classification",)
+MONITOR_MODES = ("max", "min")
 
 
 class ConfigError(ValueError):
@@ -159,12 +161,25 @@ class TrainerConfig:
 
 
 @dataclass
+class TaskConfig:
+    name: str = "classification"
+    # The metric that picks best.pt (val/<monitor>; "loss" is the validation loss), and
+    # whether larger (max) or smaller (min) is better.
+    monitor: str = "accuracy"
+    monitor_mode: str = "max"
+    # Metrics on top of the task's defaults: NAME -> {_target_: a torchmetrics.Metric, ARG:
+    # VALUE}; NAME: null drops a default. Logged as val/NAME (scalars) and in eval.json.
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     sched: SchedConfig = field(default_factory=SchedConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
     seed: int = 0
     run_dir: str | None = None  # null = outputs/<date>_<torchrun run id>
     resume: str = "auto"  # auto | never | PATH of a checkpoint
@@ -216,6 +231,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _choice("trainer.device", t.device, DEVICES)
     _choice("trainer.backend", t.backend, BACKENDS)
     _choice("logger", cfg.logger, LOGGERS)
+    _choice("task.name", cfg.task.name, TASKS)
+    _choice("task.monitor_mode", cfg.task.monitor_mode, MONITOR_MODES)
     t.progress = t.progress.lower()  # `trainer.progress=true` arrives as "True"
     _choice("trainer.progress", t.progress, PROGRESS)
     for key, value in (

@@ -15,7 +15,7 @@ from ddp_utils.data import build_eval_data
 from ddp_utils.data.classes import class_difference
 from ddp_utils.dist import Runtime, init_distributed
 from ddp_utils.files import UNWRITABLE, atomic_write, unwritable
-from ddp_utils.metrics import evaluate
+from ddp_utils.metrics import build_metrics, check_metrics, evaluate, scalars
 from ddp_utils.models import build_model, memory_format_of
 from ddp_utils.models.probe import check_classifier
 from ddp_utils.run import log, setup_logging
@@ -24,6 +24,7 @@ from ddp_utils.train.precision import amp_context, resolve_precision
 from ddp_utils.watchdog import StepWatchdog
 
 EVAL_ONLY_KEYS = ("checkpoint", "output", "ema")
+REPORT_COUNTS = ("num_samples", "skipped_images", "world_size")  # said in the first line
 
 
 def command_line_keys() -> list[str]:
@@ -84,14 +85,18 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
     check_classes(ckpt.get("classes"), classes, checkpoint, data)
     precision = resolve_precision(train_cfg.trainer.precision, rt.device)
     model.to(rt.device, memory_format=memory_format_of(channels_last))
-    check_classifier(model, train_cfg, rt.device)  # a head for another class count
+    metrics = build_metrics(train_cfg.task, data.num_classes, rt.device)
+    # A head for another class count, or a metric that cannot take its output, stops here.
+    check_metrics(metrics, check_classifier(model, train_cfg, rt.device))
     watchdog = StepWatchdog(train_cfg.trainer.timeout_s, rt.rank)
     try:
-        result = evaluate(model, loader, preprocess, rt, data.num_classes,
-                          amp_context(precision, rt.device), watchdog)  # fmt: skip
+        result = evaluate(model, loader, preprocess, rt, metrics,
+                          amp_context(precision, rt.device), watchdog,
+                          skip_bad=data.skip_bad_images)  # fmt: skip
     finally:
         watchdog.close()
-    result.update(world_size=rt.world_size, checkpoint=str(checkpoint), ema=cfg.ema)
+    result.update(world_size=rt.world_size, checkpoint=str(checkpoint), ema=cfg.ema,
+                  monitor=train_cfg.task.monitor)  # fmt: skip
     output = Path(cfg.output) if cfg.output else default_output(checkpoint)
     write_report(result, output, f"{data.name}/{data.split}", rt)
     return result
@@ -130,9 +135,11 @@ def write_report(result: dict[str, Any], output: Path, what: str, rt: Runtime) -
     text = json.dumps(result, indent=2)
     from ddp_utils.plot import plot_confusion_matrix  # matplotlib: imported only when drawing
 
+    picture = output.parent / "confusion_matrix.png"
     try:
         atomic_write(output, lambda f: f.write(text.encode()))
-        plot_confusion_matrix(result["confusion_matrix"], output.parent / "confusion_matrix.png")
+        if "confusion_matrix" in result:
+            plot_confusion_matrix(result["confusion_matrix"], picture)
     except OSError as e:
         if e.errno not in UNWRITABLE:
             raise
@@ -141,9 +148,11 @@ def write_report(result: dict[str, Any], output: Path, what: str, rt: Runtime) -
         f"{result['checkpoint']} on {what}: {result['num_samples']} samples, "
         f"world size {result['world_size']}",
     ]
-    for key in ("accuracy", "top5", "f1_macro", "loss"):
-        if key in result:
-            lines.append(f"  {key:<10} {result[key]:.4f}")
-    per_class = "  ".join(f"{i}:{a:.3f}" for i, a in enumerate(result["per_class_accuracy"]))
-    lines += [f"  per class  {per_class}", f"  written to {output} (and confusion_matrix.png)"]
+    numbers = {k: v for k, v in scalars(result).items() if k not in REPORT_COUNTS}
+    lines += [f"  {key:<10} {value:.4f}" for key, value in numbers.items()]
+    if "per_class_accuracy" in result:
+        per_class = "  ".join(f"{i}:{a:.3f}" for i, a in enumerate(result["per_class_accuracy"]))
+        lines.append(f"  per class  {per_class}")
+    drawn = " (and confusion_matrix.png)" if "confusion_matrix" in result else ""
+    lines.append(f"  written to {output}{drawn}")
     log.info("\n".join(lines))

@@ -1,99 +1,135 @@
-"""Exact distributed evaluation: integer counts, summed over the ranks once.
+"""Exact distributed evaluation with torchmetrics: every sample on exactly one rank, one sync.
 
-Each rank scores its own shard (``EvalShardSampler``: every sample on exactly one rank) into a
-confusion matrix, a top-5 hit count and a loss sum on its device. The single synchronisation is
-one all_reduce of those counts in ``EvalCounts.compute``, which every rank reaches; every number
-reported is derived from the summed counts, so none depends on the world size.
+Each rank scores its own shard (``EvalShardSampler``: every sample on exactly one rank, no
+padding) into a ``torchmetrics.MetricCollection`` on its device; ranks may hold different
+numbers of batches, so nothing is synchronised per batch. After the last batch every rank calls
+``compute()``, torchmetrics' own sync (an all_gather of each metric's states), and one
+all_reduce adds the loss sum and the sample counts. Without padded duplicates, every metric,
+also one that keeps every sample's score (AUROC), is the one-process number at any world size.
 
-Why not torchmetrics (which this module used until the suite's time was measured): importing it
-costs every process 2-3 s (it imports scipy.signal and matplotlib on every rank), a quarter of a
-worker's start-up, and its sync gathers each state separately. Every metric here is a function of
-the confusion matrix, checked against scikit-learn's in tests/test_units.py.
+The metrics are ``task.metrics`` on top of the task's defaults: any ``torchmetrics.Metric``
+(or a user's subclass) given as a ``_target_``.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
+from torchmetrics import Metric, MetricCollection
 
+from ddp_utils.config import ConfigError, TaskConfig
 from ddp_utils.data.samplers import BAD_LABEL
 from ddp_utils.dist import Runtime, all_reduce_sum
 from ddp_utils.watchdog import StepWatchdog
 
-TOP_K = 5  # top-5 accuracy, reported when there are more than 5 classes
+TOP_K = 5  # top-5 accuracy, a default when there are more than 5 classes
+_TM = "torchmetrics.classification."
 
 
-class EvalCounts:
-    """One rank's counts: the confusion matrix (rows: true class, columns: predicted class),
-    top-k hits, the cross-entropy sum, and the skipped unreadable images (``BAD_LABEL``)."""
-
-    def __init__(self, num_classes: int, device: torch.device) -> None:
-        self.num_classes = num_classes
-        self.top_k = TOP_K if num_classes > TOP_K else None
-        # One extra bin takes the skipped images: no boolean indexing, so no host sync a batch.
-        self.bins = torch.zeros(num_classes * num_classes + 1, dtype=torch.long, device=device)
-        self.top_k_hits = torch.zeros((), dtype=torch.long, device=device)
-        self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-
-    def update(self, logits: torch.Tensor, target: torch.Tensor) -> None:
-        """Add one batch: float32 ``logits`` (N, C) and labels (N,)."""
-        c = self.num_classes
-        counted = target != BAD_LABEL
-        cell = torch.where(counted, target * c + logits.argmax(dim=1), c * c)
-        self.bins += torch.bincount(cell, minlength=c * c + 1)
-        if self.top_k:
-            hits = (logits.topk(self.top_k, dim=1).indices == target[:, None]).any(dim=1)
-            self.top_k_hits += (hits & counted).sum()
-        loss = F.cross_entropy(logits, target, ignore_index=BAD_LABEL, reduction="sum")
-        self.loss_sum += loss.double()
-
-    def compute(self) -> dict[str, float | int | list]:
-        """Sum the counts over the ranks (a collective: every rank calls it) and derive the
-        metrics; the same result on every rank."""
-        # float64 holds integer counts exactly up to 2**53: one all_reduce for everything.
-        flat = torch.cat([self.bins.double(), self.top_k_hits.double()[None], self.loss_sum[None]])
-        flat = all_reduce_sum(flat).cpu()
-        c = self.num_classes
-        counts = flat[: c * c + 1].round().long()
-        return summarize(counts[:-1].view(c, c), int(counts[-1]), flat[-2].item(), flat[-1].item(),
-                         self.top_k)  # fmt: skip
-
-
-def summarize(
-    confusion: torch.Tensor, skipped: int, top_k_hits: float, loss_sum: float, top_k: int | None
-) -> dict[str, float | int | list]:
-    """The reported metrics from the summed counts. Per-class accuracy is the class's recall (0
-    for a class without samples); macro F1 averages over the classes that occur as a label or a
-    prediction."""
-    cm = confusion.double()
-    n = int(confusion.sum())
-    tp = cm.diag()
-    support, predicted = cm.sum(dim=1), cm.sum(dim=0)
-    per_class = torch.where(support > 0, tp / support.clamp(min=1), 0.0)
-    occurs = (support + predicted) > 0
-    f1 = 2 * tp / (support + predicted).clamp(min=1)
-    result: dict[str, float | int | list] = {
-        "accuracy": tp.sum().item() / max(n, 1),
-        "f1_macro": f1[occurs].mean().item() if occurs.any() else 0.0,
-        "per_class_accuracy": per_class.tolist(),
-        "confusion_matrix": confusion.tolist(),
-        "loss": loss_sum / max(n, 1),
-        "num_samples": n,
-        "skipped_images": skipped,
+def classification_metrics(num_classes: int) -> dict[str, dict[str, Any]]:
+    """The classification task's default metrics (the names eval.json has always used)."""
+    n = num_classes
+    metrics: dict[str, dict[str, Any]] = {
+        "accuracy": {"_target_": _TM + "MulticlassAccuracy", "num_classes": n, "average": "micro"},
+        "f1_macro": {"_target_": _TM + "MulticlassF1Score", "num_classes": n, "average": "macro"},
+        # A class's accuracy is its recall (0 for a class without samples).
+        "per_class_accuracy": {
+            "_target_": _TM + "MulticlassRecall",
+            "num_classes": n,
+            "average": "none",
+        },  # fmt: skip
+        "confusion_matrix": {"_target_": _TM + "MulticlassConfusionMatrix", "num_classes": n},
     }
-    if top_k:
-        result[f"top{top_k}"] = top_k_hits / max(n, 1)
-    return result
+    if n > TOP_K:
+        metrics[f"top{TOP_K}"] = {"_target_": _TM + "MulticlassAccuracy", "num_classes": n,
+                                  "average": "micro", "top_k": TOP_K}  # fmt: skip
+    return metrics
+
+
+def _cause(e: BaseException) -> str:
+    cause = e.__cause__ or e
+    lines = str(cause).strip().splitlines()
+    return f"{type(cause).__name__}: {lines[-1][:300] if lines else ''}"
+
+
+def build_metric(name: str, spec: Any) -> Metric:
+    """``task.metrics.NAME``: instantiate its ``_target_``; mistakes name the key."""
+    where = f"task.metrics.{name}"
+    if not isinstance(spec, Mapping) or "_target_" not in spec:
+        raise ConfigError(
+            f"{where} needs a _target_: +{where}._target_=torchmetrics.classification."
+            f"MulticlassAUROC (any torchmetrics.Metric), or {where}=null to drop it."
+        )
+    try:
+        metric = instantiate(dict(spec), _convert_="all")
+    except InstantiationException as e:
+        text = _cause(e)
+        if "Error locating target" in str(e) or isinstance(e.__cause__, ImportError):
+            raise ConfigError(
+                f"{where}._target_={spec['_target_']} cannot be imported ({text}). Check the "
+                "dotted path (e.g. torchmetrics.classification.MulticlassAUROC)."
+            ) from None
+        raise ConfigError(
+            f"{where}: {spec['_target_']} rejected its arguments "
+            f"{sorted(k for k in spec if k != '_target_')} ({text}). Fix +{where}.ARG=VALUE."
+        ) from None
+    if not isinstance(metric, Metric):
+        raise ConfigError(
+            f"{where}._target_={spec['_target_']} built a {type(metric).__name__}, not a "
+            "torchmetrics.Metric."
+        )
+    return metric
+
+
+def build_metrics(cfg: TaskConfig, num_classes: int, device: torch.device) -> MetricCollection:
+    """The task's default metrics with ``task.metrics`` on top, as one collection; checks that
+    ``task.monitor`` is among them (or is ``loss``)."""
+    specs = {**classification_metrics(num_classes), **cfg.metrics}
+    metrics = {name: build_metric(name, spec) for name, spec in specs.items() if spec is not None}
+    if cfg.monitor != "loss" and cfg.monitor not in metrics:
+        raise ConfigError(
+            f"task.monitor={cfg.monitor} is not among the metrics ({', '.join(sorted(metrics))}"
+            ", loss): pick one of those, or add it as +task.metrics."
+            f"{cfg.monitor}._target_=..."
+        )
+    # compute_groups=False: each metric keeps its own states (no merging guessed at run time).
+    return MetricCollection(metrics, compute_groups=False).to(device)
+
+
+def check_metrics(metrics: MetricCollection, logits: torch.Tensor) -> None:
+    """One update of every metric with ``logits`` (the model's output for blank images) and
+    label 0, then a reset: a metric that cannot take this task's batches (a wrong num_classes,
+    say) stops before the first step, naming its key."""
+    target = torch.zeros(len(logits), dtype=torch.long, device=logits.device)
+    for name, metric in metrics.items(keep_base=True):
+        try:
+            metric.update(logits.float(), target)
+        except Exception as e:
+            raise ConfigError(
+                f"task.metrics.{name} ({type(metric).__name__}) cannot take this task's "
+                f"batches: logits {tuple(logits.shape)} and labels ({_cause(e)}). Fix its "
+                f"arguments (+task.metrics.{name}.num_classes='${{data.num_classes}}', say)."
+            ) from None
+    metrics.reset()
 
 
 class CountMismatchError(RuntimeError):
     """The evaluation counted a different number of samples than the set holds."""
+
+
+def _plain(value: torch.Tensor) -> float | list:
+    """A computed metric for JSON: a scalar, a vector (per class) or a matrix."""
+    value = value.detach().cpu()
+    return value.item() if value.ndim == 0 else value.tolist()
 
 
 @torch.no_grad()
@@ -102,32 +138,44 @@ def evaluate(
     loader: DataLoader,
     preprocess: nn.Module,
     rt: Runtime,
-    num_classes: int,
+    metrics: MetricCollection,
     amp: Callable[[], AbstractContextManager] = contextlib.nullcontext,
     watchdog: StepWatchdog | None = None,
-) -> dict[str, float | int | list]:
+    skip_bad: bool = False,
+) -> dict[str, Any]:
     """Score ``model`` (the unwrapped module) on the sharded ``loader``; same result on all ranks.
 
     The unwrapped model is used on purpose: a DDP forward may broadcast buffers, a collective
     that would deadlock when ranks hold different numbers of batches. ``watchdog`` times each
-    batch (not the final collective, where a rank waits for a slower one).
+    batch (not the final sync, where a rank waits for a slower one). With ``skip_bad``,
+    unreadable images (label ``BAD_LABEL``) are counted apart and kept out of the metrics.
     """
     was_training = model.training
     model.eval()
-    counts = EvalCounts(num_classes, rt.device)
+    metrics.reset()
+    totals = torch.zeros(3, dtype=torch.float64, device=rt.device)  # loss sum, samples, skipped
     beat = watchdog.beat if watchdog is not None else lambda phase: None
     beat("val")
     for images, labels in loader:
         images = preprocess(images.to(rt.device, non_blocking=True))
         labels = labels.to(rt.device, non_blocking=True)
         with amp():
-            logits = model(images)
-        counts.update(logits.float(), labels)
+            logits = model(images).float()
+        counted = labels != BAD_LABEL
+        totals[0] += F.cross_entropy(logits, labels, ignore_index=BAD_LABEL, reduction="sum")
+        totals[1] += counted.sum()
+        totals[2] += (~counted).sum()
+        if skip_bad:  # a host sync per batch, only where images may be skipped
+            logits, labels = logits[counted], labels[counted]
+        metrics.update(logits, labels)
         beat("val")
     if watchdog is not None:
         watchdog.disarm()
-    result = counts.compute()
+    computed = metrics.compute()  # torchmetrics' sync: every rank reaches it
+    loss_sum, n, skipped = all_reduce_sum(totals).tolist()
     model.train(was_training)
+    result: dict[str, Any] = {name: _plain(value) for name, value in computed.items()}
+    result |= {"loss": loss_sum / max(n, 1), "num_samples": int(n), "skipped_images": int(skipped)}
     expected = len(loader.dataset)
     if result["num_samples"] + result["skipped_images"] != expected:
         raise CountMismatchError(
@@ -135,3 +183,10 @@ def evaluate(
             f"{result['skipped_images']} skipped images for a set of {expected}"
         )
     return result
+
+
+def scalars(result: dict[str, Any]) -> dict[str, float]:
+    """The numbers of a result that go to metrics.jsonl and TensorBoard (vectors do not)."""
+    return {
+        k: v for k, v in result.items() if isinstance(v, int | float) and not isinstance(v, bool)
+    }

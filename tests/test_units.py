@@ -243,8 +243,9 @@ def test_a_rank_that_cannot_see_run_dir_says_so(tmp_path):
 def test_eval_metrics_match_scikit_learns_and_leave_skipped_images_out():
     from sklearn import metrics as skm
 
+    from ddp_utils.config import TaskConfig
     from ddp_utils.data.samplers import BAD_LABEL
-    from ddp_utils.metrics import EvalCounts
+    from ddp_utils.metrics import build_metrics, evaluate
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(500, 10, generator=g)
@@ -252,21 +253,22 @@ def test_eval_metrics_match_scikit_learns_and_leave_skipped_images_out():
     target = torch.randint(0, 9, (500,), generator=g)
     target[target == 7] = 3  # class 7: predicted, never a label (recall 0)
     skipped = torch.arange(500) % 37 == 0
-    counts = EvalCounts(10, torch.device("cpu"))
-    for lo in range(0, 500, 64):
-        labels = torch.where(skipped, BAD_LABEL, target)[lo : lo + 64]
-        counts.update(logits[lo : lo + 64], labels)
-    r = counts.compute()
+    labels = torch.where(skipped, BAD_LABEL, target)
+    # The logits stand in for the images: an identity model, a batch loader of 64.
+    loader = torch.utils.data.DataLoader(list(zip(logits, labels, strict=True)), batch_size=64)
+    metrics = build_metrics(TaskConfig(), 10, torch.device("cpu"))
+    rt = Runtime(0, 0, 1, 1, torch.device("cpu"), "gloo")
+    r = evaluate(torch.nn.Identity(), loader, torch.nn.Identity(), rt, metrics, skip_bad=True)
     y, scores = target[~skipped].numpy(), logits[~skipped]
     pred = scores.argmax(dim=1).numpy()
     assert (r["num_samples"], r["skipped_images"]) == (500 - 14, 14)
     assert r["confusion_matrix"] == skm.confusion_matrix(y, pred, labels=range(10)).tolist()
-    assert r["accuracy"] == pytest.approx(skm.accuracy_score(y, pred), abs=1e-12)
-    assert r["f1_macro"] == pytest.approx(skm.f1_score(y, pred, average="macro"), abs=1e-12)
+    assert r["accuracy"] == pytest.approx(skm.accuracy_score(y, pred), abs=1e-6)
+    assert r["f1_macro"] == pytest.approx(skm.f1_score(y, pred, average="macro"), abs=1e-6)
     recall = skm.recall_score(y, pred, average=None, labels=range(10), zero_division=0)
-    assert r["per_class_accuracy"] == pytest.approx(recall.tolist(), abs=1e-12)
+    assert r["per_class_accuracy"] == pytest.approx(recall.tolist(), abs=1e-6)
     top5 = skm.top_k_accuracy_score(y, scores.numpy(), k=5, labels=range(10))
-    assert r["top5"] == pytest.approx(top5, abs=1e-12)
+    assert r["top5"] == pytest.approx(top5, abs=1e-6)
     loss = torch.nn.functional.cross_entropy(scores, target[~skipped]).item()
     assert r["loss"] == pytest.approx(loss, rel=1e-6)
 
@@ -281,21 +283,15 @@ def test_digits_are_scikit_learns_load_digits():
     assert np.array_equal(images, bunch.images) and np.array_equal(target, bunch.target)
 
 
-def test_in_memory_runs_load_neither_torchvision_nor_pyplot():
-    """What keeps the start-up of every in-memory run short: training, evaluation, the data's
-    front door, the loss and the plots load without torchvision or pyplot (seconds a process)."""
+def test_help_and_config_mistakes_answer_before_the_training_stack_is_imported():
+    """What keeps --help and every configuration mistake quick: the entry's imports and the
+    config's validation load neither torchmetrics (2-3 s a process) nor torchvision."""
     code = """
-import sys, torch
-from ddp_utils.config import DataConfig
-from ddp_utils.data import build_data
-from ddp_utils.dist import Runtime
-from ddp_utils.train.loss import build_mixing
-import ddp_utils.evaluation, ddp_utils.plot, ddp_utils.train.loop
-rt = Runtime(0, 0, 1, 1, torch.device("cpu"), "gloo")
-assert len(build_data(DataConfig(), rt, seed=0).train_sampler) > 0
-assert build_mixing(DataConfig()) is None
-heavy = ("torchvision", "matplotlib.pyplot")
-print(sorted(m for m in sys.modules if m == heavy[1] or m.split(".")[0] == heavy[0]))
+import sys
+import ddp_utils.entry
+from ddp_utils.config import TrainConfig, validate
+validate(TrainConfig())
+print(sorted({m.split(".")[0] for m in sys.modules} & {"torchmetrics", "torchvision"}))
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120, check=False)  # fmt: skip

@@ -20,10 +20,10 @@ PROBE_SIZES = (16, 32, 64, 96, 128, 160, 192, 224, 256, 299, 384)
 
 
 @torch.no_grad()
-def output_shape(model: nn.Module, channels: int, size: int, device: torch.device,
-                 memory_format: torch.memory_format) -> tuple[int, ...]:  # fmt: skip
-    """The shape of ``model``'s output for ``PROBE_BATCH`` blank images; eval mode, so no
-    running statistic moves and no random number is drawn."""
+def probe(model: nn.Module, channels: int, size: int, device: torch.device,
+          memory_format: torch.memory_format) -> torch.Tensor:  # fmt: skip
+    """``model``'s output for ``PROBE_BATCH`` blank images; eval mode, so no running
+    statistic moves and no random number is drawn."""
     was_training = model.training
     model.eval()
     try:
@@ -36,7 +36,7 @@ def output_shape(model: nn.Module, channels: int, size: int, device: torch.devic
             f"the model returned {type(out).__name__}, not a tensor of logits: return the "
             "logits tensor from forward() (in eval mode too)."
         )
-    return tuple(out.shape)
+    return out
 
 
 def describe(cfg: ModelConfig) -> str:
@@ -63,12 +63,13 @@ def check_output(
     memory_format: torch.memory_format,
     expected: tuple[int, ...],
     what: str,
-) -> None:
+) -> torch.Tensor:
     """Refuse a model whose output for ``PROBE_BATCH`` images is not ``expected`` (``what``
-    says which config keys decide it), or which cannot take ``data.image_size`` images."""
+    says which config keys decide it), or which cannot take ``data.image_size`` images;
+    return that output."""
     channels, size = data.in_channels, data.image_size
     try:
-        shape = output_shape(model, channels, size, device, memory_format)
+        out = probe(model, channels, size, device, memory_format)
     except ConfigError:
         raise
     except Exception as e:  # a size the model cannot take, or a bug of the model's
@@ -82,6 +83,7 @@ def check_output(
             f"{last}). It runs at data.image_size={fits}: set that (and data.resize_size for "
             "image folders), or pick a model made for smaller images."
         ) from None
+    shape = tuple(out.shape)
     if shape != expected:
         raise ConfigError(
             f"the output of {describe(cfg)} for a batch of {PROBE_BATCH} images of "
@@ -89,19 +91,21 @@ def check_output(
             "the model for it (model=custom: pass the class count under the name its "
             "constructor takes, +model.NAME=VALUE), or correct the data's settings."
         )
+    return out
 
 
 def _runs(model: nn.Module, channels: int, size: int, device: torch.device,
           memory_format: torch.memory_format) -> bool:  # fmt: skip
     try:
-        output_shape(model, channels, size, device, memory_format)
+        probe(model, channels, size, device, memory_format)
     except Exception:
         return False
     return True
 
 
-def check_classifier(model: nn.Module, cfg: TrainConfig, device: torch.device) -> None:
-    """Classification: logits of shape (N, data.num_classes) for the data's images."""
+def check_classifier(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.Tensor:
+    """Classification: logits of shape (N, data.num_classes) for the data's images; returns
+    them (for the metrics' own check)."""
     d = cfg.data
-    check_output(model, cfg.model, d, device, memory_format_of(cfg.trainer.channels_last),
+    return check_output(model, cfg.model, d, device, memory_format_of(cfg.trainer.channels_last),
                  (PROBE_BATCH, d.num_classes), f"data.num_classes={d.num_classes}")  # fmt: skip

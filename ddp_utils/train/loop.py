@@ -14,7 +14,7 @@ from torch import nn
 from ddp_utils.config import TrainConfig
 from ddp_utils.data import BAD_LABEL, IGNORE_LABEL
 from ddp_utils.dist import Runtime, all_reduce_sum, broadcast_buffers
-from ddp_utils.metrics import evaluate
+from ddp_utils.metrics import evaluate, scalars
 from ddp_utils.preemption import Preempted
 from ddp_utils.run import (
     append_metrics,
@@ -38,11 +38,9 @@ from ddp_utils.train.state import (
     resolve_auto,
 )
 
-# The per-epoch values of metrics.jsonl that also go to TensorBoard.
-TRACKED = (
-    "train/loss", "lr", "samples_per_s", "val/accuracy", "val/loss", "val/f1_macro",
-    "val_ema/accuracy", "val_ema/loss",
-)  # fmt: skip
+# The per-epoch values of metrics.jsonl that also go to TensorBoard, besides val/* and val_ema/*.
+TRACKED = ("train/loss", "lr", "samples_per_s")
+VALIDATION = ("val/", "val_ema/")
 
 
 def optimizer_step(tr: Training) -> None:
@@ -155,14 +153,35 @@ def reached_max_steps(tr: Training) -> bool:
 
 
 def validate(tr: Training, model: nn.Module, prefix: str) -> dict[str, Any]:
-    """``prefix/accuracy``, ``prefix/loss``, ... of ``model`` on the validation set."""
-    d = tr.cfg.data
-    val = evaluate(model, tr.data.val, tr.data.preprocess_eval, tr.rt, d.num_classes, tr.amp,
-                   tr.watchdog)  # fmt: skip
+    """``prefix/NAME`` of every scalar metric (``accuracy``, ``loss``, ...) of ``model`` on the
+    validation set; the full result (vectors too) goes to ``tr.validation[prefix]``."""
+    val = evaluate(model, tr.data.val, tr.data.preprocess_eval, tr.rt, tr.metrics, tr.amp,
+                   tr.watchdog, skip_bad=tr.cfg.data.skip_bad_images)  # fmt: skip
     tr.validation[prefix] = val
-    keys = ["accuracy", "loss", "f1_macro", "num_samples"]
-    keys += ["skipped_images"] if d.skip_bad_images else []
-    return {f"{prefix}/{k}": val[k] for k in keys}
+    numbers = scalars(val)
+    if not tr.cfg.data.skip_bad_images:
+        numbers.pop("skipped_images")
+    return {f"{prefix}/{k}": v for k, v in numbers.items()}
+
+
+def improved(value: float, best: float | None, mode: str) -> bool:
+    """Whether ``value`` beats ``best`` (None: nothing yet) for ``task.monitor_mode``."""
+    if best is None:
+        return math.isfinite(value)
+    return value > best if mode == "max" else value < best
+
+
+def log_epoch(tr: Training, record: dict[str, Any]) -> None:
+    """One line: the losses and the monitored metric (val/accuracy by default)."""
+    key = tr.cfg.task.monitor
+    shown = "" if key == "loss" else f" | val/{key} {record[f'val/{key}']:.4f}"
+    if tr.ema is not None:
+        shown += f" | val_ema/{key} {record[f'val_ema/{key}']:.4f}"
+    log.info(
+        "epoch %d | step %d | train/loss %.4f | val/loss %.4f%s (%d samples) | %.0f samples/s",
+        tr.epoch, tr.step, record["train/loss"], record["val/loss"], shown,
+        record["val/num_samples"], record["samples_per_s"],
+    )  # fmt: skip
 
 
 def validate_and_save(tr: Training, train_stats: dict[str, float]) -> dict[str, Any]:
@@ -180,21 +199,15 @@ def validate_and_save(tr: Training, train_stats: dict[str, float]) -> dict[str, 
     if tr.ema is not None:
         record |= validate(tr, tr.ema.module, "val_ema")
     append_metrics(tr.run_dir, record, tr.rt)
-    scalars = {key: record[key] for key in TRACKED if key in record}
-    tr.tracker.scalars(scalars | {"peak_memory_mb": peak_memory_mb(tr.rt.device)}, tr.step)
-    ema = f" | val_ema/accuracy {record['val_ema/accuracy']:.4f}" if tr.ema else ""
-    log.info(
-        "epoch %d | step %d | train/loss %.4f | val/loss %.4f | val/accuracy %.4f (%d samples)"
-        "%s | %.0f samples/s",
-        tr.epoch, tr.step, record["train/loss"], record["val/loss"], record["val/accuracy"],
-        record["val/num_samples"], ema, record["samples_per_s"],
-    )  # fmt: skip
-    also = []
-    if record["val/accuracy"] > tr.best_accuracy:
-        tr.best_accuracy = record["val/accuracy"]
+    tracked = {k: v for k, v in record.items() if k in TRACKED or k.startswith(VALIDATION)}
+    tr.tracker.scalars(tracked | {"peak_memory_mb": peak_memory_mb(tr.rt.device)}, tr.step)
+    log_epoch(tr, record)
+    also, key, mode = [], tr.cfg.task.monitor, tr.cfg.task.monitor_mode
+    if improved(record[f"val/{key}"], tr.best, mode):
+        tr.best = record[f"val/{key}"]
         also.append("best.pt")
-    if tr.ema is not None and record["val_ema/accuracy"] > tr.best_ema_accuracy:
-        tr.best_ema_accuracy = record["val_ema/accuracy"]
+    if tr.ema is not None and improved(record[f"val_ema/{key}"], tr.best_ema, mode):
+        tr.best_ema = record[f"val_ema/{key}"]
         also += ["best_ema.pt"] if tr.cfg.trainer.save_best_ema else []
     tr.epoch, tr.sample_offset = tr.epoch + 1, 0
     tr.epoch_totals.zero_()
@@ -204,7 +217,8 @@ def validate_and_save(tr: Training, train_stats: dict[str, float]) -> dict[str, 
 
 
 def fit(cfg: TrainConfig, rt: Runtime, default_run_dir: str | None = None) -> float:
-    """Train for ``trainer.epochs`` (or ``trainer.max_steps``); return the last val accuracy.
+    """Train for ``trainer.epochs`` (or ``trainer.max_steps``); return the last
+    ``val/<task.monitor>`` (a sweep's objective).
 
     Resumes from ``run_dir``'s newest checkpoint (``resume=auto``) or ``resume=PATH``.
     ``default_run_dir`` (a sweep job's folder) applies when ``run_dir`` is null.
@@ -230,7 +244,7 @@ def fit(cfg: TrainConfig, rt: Runtime, default_run_dir: str | None = None) -> fl
             run.lock.release()
     if rt.is_main and (run.path / "metrics.jsonl").exists():
         draw_curves(run.path)
-    return float(record.get("val/accuracy", float("nan")))
+    return float(record.get(f"val/{cfg.task.monitor}", float("nan")))
 
 
 def draw_curves(run_dir: Path) -> None:

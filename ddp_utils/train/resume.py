@@ -33,7 +33,7 @@ IDENTITY_KEYS = (
     "model.",
     "data.name", "data.in_channels", "data.image_size", "data.num_classes", "data.mean",
     "data.std", "data.val_fraction", "data.split_seed", "data.num_train", "data.num_val",
-    "data._target_", "data.kwargs", "data.val_slice", "seed",
+    "data._target_", "data.kwargs", "data.val_slice", "seed", "task.name",
 )  # fmt: skip
 
 
@@ -59,8 +59,8 @@ def checkpoint_state(tr: Training) -> dict[str, Any]:
         "epoch_totals": epoch_totals,
         "sampler": {"seed": tr.cfg.seed, "epoch": tr.epoch, "start": tr.sample_offset},
         "rng": rng,
-        "best_accuracy": tr.best_accuracy,
-        "best_ema_accuracy": tr.best_ema_accuracy,
+        "best": tr.best,
+        "best_ema": tr.best_ema,
         **({"model_ema": tr.ema.state_dict()} if tr.ema else {}),
         "world_size": tr.rt.world_size,
         "classes": tr.data.classes,
@@ -199,8 +199,8 @@ def restore(tr: Training, ckpt: dict[str, Any]) -> None:
     tr.scheduler.load_state_dict(ckpt["scheduler"] | length)
     tr.scaler.load_state_dict(ckpt["scaler"])
     tr.epoch, tr.step = ckpt["epoch"], ckpt["step"]
-    tr.sample_offset, tr.best_accuracy = ckpt["sample_offset"], ckpt["best_accuracy"]
-    tr.best_ema_accuracy = ckpt.get("best_ema_accuracy", -1.0)
+    tr.sample_offset = ckpt["sample_offset"]
+    tr.best, tr.best_ema = resumed_best(ckpt, tr.cfg.task.monitor)
     if tr.ema is not None and "model_ema" in ckpt:
         tr.ema.load_state_dict(ckpt["model_ema"])
     # The epoch's running loss continues from the saved global totals, held by one rank.
@@ -212,6 +212,19 @@ def restore(tr: Training, ckpt: dict[str, Any]) -> None:
     else:
         # Another world size: no rank's stream carries over; derive fresh, distinct ones.
         seed_everything(tr.cfg.seed + 1_000_003 * (tr.step + 1) + tr.rt.rank)
+
+
+def resumed_best(ckpt: dict[str, Any], monitor: str) -> tuple[float | None, float | None]:
+    """The best monitored values so far. A checkpoint from before ``task.monitor`` existed
+    kept the best accuracy (-1 for none yet); a changed monitor starts its best afresh."""
+    stored = ckpt.get("config", {}).get("task", {}).get("monitor", "accuracy")
+    if stored != monitor:
+        return None, None
+    if "best" in ckpt:
+        return ckpt["best"], ckpt.get("best_ema")
+    old = [ckpt.get("best_accuracy", -1.0), ckpt.get("best_ema_accuracy", -1.0)]
+    best, best_ema = (None if v is None or v < 0 else v for v in old)
+    return best, best_ema
 
 
 def set_aside_metrics(path: Path, rt: Runtime) -> None:

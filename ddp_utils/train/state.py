@@ -14,10 +14,12 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torchmetrics import MetricCollection
 
 from ddp_utils.config import ConfigError, TrainConfig, TrainerConfig, as_plain_dict
 from ddp_utils.data import DataBundle, build_data
 from ddp_utils.dist import Runtime
+from ddp_utils.metrics import build_metrics, check_metrics
 from ddp_utils.models import build_model, memory_format_of
 from ddp_utils.models.ema import EMA, ema_decay
 from ddp_utils.models.probe import check_classifier
@@ -89,13 +91,15 @@ class Training:
     progress: Progress
     tracker: Tracker
     callbacks: CallbackList
+    metrics: MetricCollection  # validation's, reset for each model scored
     # This rank's (loss sum, real samples, skipped images) of the epoch so far, on the device.
     epoch_totals: torch.Tensor
     epoch: int = 0  # epochs completed; the one in progress
     step: int = 0  # optimizer steps taken
     sample_offset: int = 0  # positions of this epoch's sample order already trained on
-    best_accuracy: float = -1.0
-    best_ema_accuracy: float = -1.0
+    # The best val/<task.monitor> (val_ema/<task.monitor>) so far; None before the first.
+    best: float | None = None
+    best_ema: float | None = None
     first_step: int = 1  # the step number of this process's first step (after a resume too)
     # The last validation's full results by prefix ("val", "val_ema"): the confusion matrix,
     # per-class accuracy, ... of which metrics.jsonl keeps the headline numbers.
@@ -131,7 +135,8 @@ def build_training(cfg: TrainConfig, rt: Runtime, run_dir: Path) -> Training:
     raw_model = build_model(cfg.model, cfg.data)
     model = wrap_ddp(raw_model, t, rt)
     raw_model = model.module if isinstance(model, DDP) else model._orig_mod.module
-    check_classifier(raw_model, cfg, rt.device)
+    metrics = build_metrics(cfg.task, cfg.data.num_classes, rt.device)
+    check_metrics(metrics, check_classifier(raw_model, cfg, rt.device))
     seed_everything(cfg.seed + rt.rank)
     data = build_data(cfg.data, rt, seed=cfg.seed, channels_last=t.channels_last)
     steps_per_epoch = math.ceil(len(data.train) / t.grad_accum_steps)
@@ -160,5 +165,6 @@ def build_training(cfg: TrainConfig, rt: Runtime, run_dir: Path) -> Training:
         progress=Progress(t.progress, rt.is_main, total_steps, global_batch(cfg, rt)),
         tracker=Tracker(cfg.logger, run_dir, rt),
         callbacks=build_callbacks(cfg.callbacks),
+        metrics=metrics,
         epoch_totals=torch.zeros(3, dtype=torch.float64, device=rt.device),
     )

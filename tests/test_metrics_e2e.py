@@ -1,0 +1,89 @@
+"""torchmetrics as the metrics engine: users' metrics from the command line, best.pt by
+task.monitor, the same numbers at any world size, and clear errors for a bad metric."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import read_metrics, run_forked, run_script
+
+AUROC = ("+task.metrics.auroc._target_=torchmetrics.classification.MulticlassAUROC",
+         "+task.metrics.auroc.num_classes=${data.num_classes}")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def auroc_run(tmp_path_factory):
+    run = tmp_path_factory.mktemp("auroc_run")
+    run_script("train.py", "trainer.epochs=3", "trainer.precision=32", *AUROC,
+               "task.monitor=auroc", "logger=none", f"run_dir={run}", nproc=2)  # fmt: skip
+    return run
+
+
+def test_a_users_metric_is_logged_and_picks_best_pt(auroc_run):
+    records = read_metrics(auroc_run)
+    assert all(0.5 < r["val/auroc"] <= 1 for r in records)
+    assert all(
+        {"val/accuracy", "val/top5", "val/f1_macro", "val/loss"} <= r.keys() for r in records
+    )
+    best = max(records, key=lambda r: r["val/auroc"])
+    assert (
+        torch.load(auroc_run / "checkpoints" / "best.pt", weights_only=True)["step"]
+        == (best["step"])
+    )
+
+
+def test_every_metric_is_the_same_at_world_sizes_1_2_and_3(auroc_run, tmp_path):
+    """359 validation digits: no world size here divides them, none is padded."""
+    ckpt = auroc_run / "checkpoints" / "last.pt"
+    results = {}
+    for n in (None, 2, 3):
+        out = tmp_path / f"eval{n}.json"
+        args = (f"checkpoint={ckpt}", f"output={out}")
+        if n is None:  # one process: a fork of this one
+            assert run_forked("eval.py", *args).returncode == 0
+        else:
+            run_script("eval.py", *args, nproc=n)
+        results[n] = json.loads(out.read_text())
+    base, logged = results[None], read_metrics(auroc_run)[-1]
+    assert base["num_samples"] == 359 and base["auroc"] == logged["val/auroc"]
+    for n, r in results.items():
+        for key in ("accuracy", "top5", "f1_macro", "per_class_accuracy", "confusion_matrix"):
+            assert r[key] == base[key], (n, key)
+        assert abs(r["auroc"] - base["auroc"]) <= 1e-6 and abs(r["loss"] - base["loss"]) <= 1e-6
+
+
+def test_eval_adds_and_drops_metrics_from_the_command_line(auroc_run, tmp_path):
+    out = tmp_path / "eval.json"
+    proc = run_forked(
+        "eval.py", f"checkpoint={auroc_run}/checkpoints/last.pt", f"output={out}",
+        "+task.metrics.ap._target_=torchmetrics.classification.MulticlassAveragePrecision",
+        "+task.metrics.ap.num_classes=10", "++task.metrics.auroc=null", "task.monitor=accuracy",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert 0.5 < result["ap"] <= 1 and "auroc" not in result
+
+
+BAD_METRICS = {
+    "no module": (["+task.metrics.x._target_=torchmetrics.nowhere.Metric"],
+                  "task.metrics.x._target_=torchmetrics.nowhere.Metric cannot be imported"),
+    "no class count": (["+task.metrics.x._target_=torchmetrics.classification.MulticlassAUROC"],
+                       "task.metrics.x: torchmetrics.classification.MulticlassAUROC rejected"),
+    "wrong class count": ([*AUROC[:1], "+task.metrics.auroc.num_classes=3"],
+                          "task.metrics.auroc (MulticlassAUROC) cannot take this task's batches"),
+    "not a metric": (["+task.metrics.x._target_=torch.nn.Identity"],
+                     "built a Identity, not a torchmetrics.Metric"),
+    "monitor": (["task.monitor=auc"], "task.monitor=auc is not among the metrics (accuracy, "),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", BAD_METRICS)
+def test_a_bad_metric_is_one_paragraph_before_training(case, tmp_path):
+    overrides, expected = BAD_METRICS[case]
+    proc = run_forked("train.py", *overrides, f"run_dir={tmp_path}/run")
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert expected in lines[0], lines[0]
+    assert not (tmp_path / "run").exists()
