@@ -26,7 +26,7 @@ LOADERS = ("auto", "tensor", "torch")
 INTERPOLATIONS = ("nearest", "bilinear", "bicubic")
 LOGGERS = ("tensorboard", "none")
 PROGRESS = ("auto", "true", "false")
-TASKS = ("classification",)
+TASKS = ("classification", "custom")
 MONITOR_MODES = ("max", "min")
 
 
@@ -162,7 +162,10 @@ class TrainerConfig:
 
 @dataclass
 class TaskConfig:
-    name: str = "classification"
+    # What builds the task (a ddp_utils.tasks.Task subclass, with hydra.utils.instantiate); it
+    # is given num_classes, in_channels and image_size where its signature takes them.
+    _target_: str = "ddp_utils.tasks.classification.Classification"
+    name: str = "classification"  # the option's name: classification | custom
     # The metric that picks best.pt (val/<monitor>; "loss" is the validation loss), and
     # whether larger (max) or smaller (min) is better.
     monitor: str = "accuracy"
@@ -170,6 +173,7 @@ class TaskConfig:
     # Metrics on top of the task's defaults: NAME -> {_target_: a torchmetrics.Metric, ARG:
     # VALUE}; NAME: null drops a default. Logged as val/NAME (scalars) and in eval.json.
     metrics: dict[str, Any] = field(default_factory=dict)
+    kwargs: dict[str, Any] = field(default_factory=dict)  # custom: +task.NAME=VALUE
 
 
 @dataclass
@@ -301,6 +305,11 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             "model=custom needs model._target_=pkg.module.Class (a torch.nn.Module, or a "
             "function returning one); pass its arguments as +model.NAME=VALUE."
         )
+    if cfg.task.name == "custom" and cfg.task._target_ == TaskConfig._target_:
+        raise ConfigError(
+            "task=custom needs task._target_=pkg.module.MyTask (a ddp_utils.tasks.Task "
+            "subclass); pass its arguments as +task.NAME=VALUE."
+        )
     if m.name in ("torchvision", "timm") and not m.arch:
         raise ConfigError(f"model={m.name} needs model.arch=NAME (a model name of {m.name}).")
     if m.name == "convnet" and d.image_size < 4:
@@ -341,7 +350,7 @@ def collect_target_kwargs(cfg: DictConfig, schema: type = TrainConfig) -> None:
     """Move keys that ``+data.NAME=VALUE`` / ``+model.NAME=VALUE`` added to ``data=custom`` or
     ``model=custom`` into their ``kwargs`` (the target's arguments). Anywhere else a key the
     schema lacks is a mistake (OmegaConf would drop it in silence)."""
-    for group, node_schema in (("data", DataConfig), ("model", ModelConfig)):
+    for group, node_schema in (("data", DataConfig), ("model", ModelConfig), ("task", TaskConfig)):
         node = cfg.get(group)
         extra = [k for k in node or () if k not in node_schema.__dataclass_fields__]
         if extra and node.get("name") == "custom":
@@ -353,7 +362,7 @@ def collect_target_kwargs(cfg: DictConfig, schema: type = TrainConfig) -> None:
         key = unknown[0]
         group = key.split(".")[0]
         where, hint = "this config", ""
-        if group in ("data", "model"):
+        if group in ("data", "model", "task"):
             where = f"{group}={cfg[group].get('name')}"
             hint = f" +{group}.NAME=VALUE arguments are for {group}=custom."
         raise ConfigError(

@@ -15,10 +15,10 @@ from ddp_utils.data import build_eval_data
 from ddp_utils.data.classes import class_difference
 from ddp_utils.dist import Runtime, init_distributed
 from ddp_utils.files import UNWRITABLE, atomic_write, unwritable
-from ddp_utils.metrics import build_metrics, check_metrics, evaluate, scalars
+from ddp_utils.metrics import build_metrics, evaluate, scalars
 from ddp_utils.models import build_model, memory_format_of
-from ddp_utils.models.probe import check_classifier
 from ddp_utils.run import log, setup_logging
+from ddp_utils.tasks import build_task, check_task
 from ddp_utils.train.checkpoint import load_checkpoint, load_model_state
 from ddp_utils.train.precision import amp_context, resolve_precision
 from ddp_utils.watchdog import StepWatchdog
@@ -67,7 +67,8 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
     checkpoint = Path(cfg.checkpoint)
     ckpt = load_checkpoint(checkpoint)
     train_cfg = checkpoint_config(ckpt["config"], cfg, command_line_keys())
-    model = build_model(train_cfg.model, train_cfg.data)
+    task = build_task(train_cfg)
+    model = build_model(train_cfg.model, train_cfg.data, task.num_outputs())
     load_model_state(
         model,
         model_weights(ckpt, checkpoint, cfg.ema),
@@ -85,12 +86,12 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
     check_classes(ckpt.get("classes"), classes, checkpoint, data)
     precision = resolve_precision(train_cfg.trainer.precision, rt.device)
     model.to(rt.device, memory_format=memory_format_of(channels_last))
-    metrics = build_metrics(train_cfg.task, data.num_classes, rt.device)
+    metrics = build_metrics(train_cfg.task, task, rt.device)
     # A head for another class count, or a metric that cannot take its output, stops here.
-    check_metrics(metrics, check_classifier(model, train_cfg, rt.device))
+    check_task(task, model, metrics, train_cfg, rt.device)
     watchdog = StepWatchdog(train_cfg.trainer.timeout_s, rt.rank)
     try:
-        result = evaluate(model, loader, preprocess, rt, metrics,
+        result = evaluate(model, loader, preprocess, rt, task, metrics,
                           amp_context(precision, rt.device), watchdog,
                           skip_bad=data.skip_bad_images)  # fmt: skip
     finally:

@@ -22,37 +22,14 @@ import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from torch import nn
-from torch.nn import functional as F
 from torch.utils.data import DataLoader
 from torchmetrics import Metric, MetricCollection
 
 from ddp_utils.config import ConfigError, TaskConfig
-from ddp_utils.data.samplers import BAD_LABEL
+from ddp_utils.data.samplers import BAD_LABEL, IGNORE_LABEL
 from ddp_utils.dist import Runtime, all_reduce_sum
+from ddp_utils.tasks import Batch, Task
 from ddp_utils.watchdog import StepWatchdog
-
-TOP_K = 5  # top-5 accuracy, a default when there are more than 5 classes
-_TM = "torchmetrics.classification."
-
-
-def classification_metrics(num_classes: int) -> dict[str, dict[str, Any]]:
-    """The classification task's default metrics (the names eval.json has always used)."""
-    n = num_classes
-    metrics: dict[str, dict[str, Any]] = {
-        "accuracy": {"_target_": _TM + "MulticlassAccuracy", "num_classes": n, "average": "micro"},
-        "f1_macro": {"_target_": _TM + "MulticlassF1Score", "num_classes": n, "average": "macro"},
-        # A class's accuracy is its recall (0 for a class without samples).
-        "per_class_accuracy": {
-            "_target_": _TM + "MulticlassRecall",
-            "num_classes": n,
-            "average": "none",
-        },  # fmt: skip
-        "confusion_matrix": {"_target_": _TM + "MulticlassConfusionMatrix", "num_classes": n},
-    }
-    if n > TOP_K:
-        metrics[f"top{TOP_K}"] = {"_target_": _TM + "MulticlassAccuracy", "num_classes": n,
-                                  "average": "micro", "top_k": TOP_K}  # fmt: skip
-    return metrics
 
 
 def _cause(e: BaseException) -> str:
@@ -62,7 +39,10 @@ def _cause(e: BaseException) -> str:
 
 
 def build_metric(name: str, spec: Any) -> Metric:
-    """``task.metrics.NAME``: instantiate its ``_target_``; mistakes name the key."""
+    """``task.metrics.NAME``: instantiate its ``_target_`` (a task's default may be a Metric
+    already); mistakes name the key."""
+    if isinstance(spec, Metric):
+        return spec
     where = f"task.metrics.{name}"
     if not isinstance(spec, Mapping) or "_target_" not in spec:
         raise ConfigError(
@@ -90,10 +70,10 @@ def build_metric(name: str, spec: Any) -> Metric:
     return metric
 
 
-def build_metrics(cfg: TaskConfig, num_classes: int, device: torch.device) -> MetricCollection:
+def build_metrics(cfg: TaskConfig, task: Task, device: torch.device) -> MetricCollection:
     """The task's default metrics with ``task.metrics`` on top, as one collection; checks that
     ``task.monitor`` is among them (or is ``loss``)."""
-    specs = {**classification_metrics(num_classes), **cfg.metrics}
+    specs = {**task.metrics(), **cfg.metrics}
     metrics = {name: build_metric(name, spec) for name, spec in specs.items() if spec is not None}
     if cfg.monitor != "loss" and cfg.monitor not in metrics:
         raise ConfigError(
@@ -103,23 +83,6 @@ def build_metrics(cfg: TaskConfig, num_classes: int, device: torch.device) -> Me
         )
     # compute_groups=False: each metric keeps its own states (no merging guessed at run time).
     return MetricCollection(metrics, compute_groups=False).to(device)
-
-
-def check_metrics(metrics: MetricCollection, logits: torch.Tensor) -> None:
-    """One update of every metric with ``logits`` (the model's output for blank images) and
-    label 0, then a reset: a metric that cannot take this task's batches (a wrong num_classes,
-    say) stops before the first step, naming its key."""
-    target = torch.zeros(len(logits), dtype=torch.long, device=logits.device)
-    for name, metric in metrics.items(keep_base=True):
-        try:
-            metric.update(logits.float(), target)
-        except Exception as e:
-            raise ConfigError(
-                f"task.metrics.{name} ({type(metric).__name__}) cannot take this task's "
-                f"batches: logits {tuple(logits.shape)} and labels ({_cause(e)}). Fix its "
-                f"arguments (+task.metrics.{name}.num_classes='${{data.num_classes}}', say)."
-            ) from None
-    metrics.reset()
 
 
 class CountMismatchError(RuntimeError):
@@ -138,6 +101,7 @@ def evaluate(
     loader: DataLoader,
     preprocess: nn.Module,
     rt: Runtime,
+    task: Task,
     metrics: MetricCollection,
     amp: Callable[[], AbstractContextManager] = contextlib.nullcontext,
     watchdog: StepWatchdog | None = None,
@@ -147,8 +111,9 @@ def evaluate(
 
     The unwrapped model is used on purpose: a DDP forward may broadcast buffers, a collective
     that would deadlock when ranks hold different numbers of batches. ``watchdog`` times each
-    batch (not the final sync, where a rank waits for a slower one). With ``skip_bad``,
-    unreadable images (label ``BAD_LABEL``) are counted apart and kept out of the metrics.
+    batch (not the final sync, where a rank waits for a slower one). ``task.eval_step`` updates
+    the metrics and gives the loss; with ``skip_bad`` unreadable images (``BAD_LABEL``) may be
+    in a batch: they are counted apart and kept out of both.
     """
     was_training = model.training
     model.eval()
@@ -157,17 +122,13 @@ def evaluate(
     beat = watchdog.beat if watchdog is not None else lambda phase: None
     beat("val")
     for images, labels in loader:
-        images = preprocess(images.to(rt.device, non_blocking=True))
+        inputs = preprocess(images.to(rt.device, non_blocking=True))
         labels = labels.to(rt.device, non_blocking=True)
+        bad = labels == BAD_LABEL  # counted apart, left out of the loss and the metrics
+        batch = Batch(inputs, torch.where(bad, IGNORE_LABEL, labels), all_real=not skip_bad)
         with amp():
-            logits = model(images).float()
-        counted = labels != BAD_LABEL
-        totals[0] += F.cross_entropy(logits, labels, ignore_index=BAD_LABEL, reduction="sum")
-        totals[1] += counted.sum()
-        totals[2] += (~counted).sum()
-        if skip_bad:  # a host sync per batch, only where images may be skipped
-            logits, labels = logits[counted], labels[counted]
-        metrics.update(logits, labels)
+            loss_sum, n = task.eval_step(model, batch, metrics)
+        totals += torch.stack([loss_sum.double(), n.double(), bad.sum().double()])
         beat("val")
     if watchdog is not None:
         watchdog.disarm()

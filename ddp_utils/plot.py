@@ -54,16 +54,29 @@ def draw_runs(runs: list[Path]) -> Figure:
         ax_loss.plot(epochs, [_value(r, "val/loss") for r in records], marker="s",
                      linestyle="--", color=line.get_color(),
                      label=f"{label} val" if label else "val")  # fmt: skip
-        ax_acc.plot(epochs, [_value(r, "val/accuracy") for r in records], marker="o",
+        metric = score_key(records)
+        ax_acc.plot(epochs, [_value(r, metric) for r in records], marker="o",
                     color=line.get_color(), label=label or "val")  # fmt: skip
     ax_loss.set_yscale("log")
     ax_loss.set(xlabel="epoch", ylabel="loss (log scale)", title="loss")
-    ax_acc.set(xlabel="epoch", ylabel="accuracy", title="validation accuracy")
+    metric = score_key(read_records(runs[0])) if runs else "val/accuracy"
+    ax_acc.set(xlabel="epoch", ylabel=metric, title="validation " + metric.removeprefix("val/"))
     for ax in (ax_loss, ax_acc):
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
     fig.tight_layout()
     return fig
+
+
+NOT_SCORES = ("val/loss", "val/num_samples", "val/skipped_images")
+
+
+def score_key(records: list[dict]) -> str:
+    """What the right panel draws: val/accuracy, or a task's first other validation metric."""
+    keys = records[0].keys() if records else ()
+    if "val/accuracy" in keys or not records:
+        return "val/accuracy"
+    return next((k for k in keys if k.startswith("val/") and k not in NOT_SCORES), "val/loss")
 
 
 def _value(record: dict, key: str) -> float:

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import read_metrics, run_forked, run_script
+from conftest import ROOT, read_metrics, run_forked, run_script
 
 AUROC = ("+task.metrics.auroc._target_=torchmetrics.classification.MulticlassAUROC",
          "+task.metrics.auroc.num_classes=${data.num_classes}")  # fmt: skip
@@ -83,6 +83,62 @@ BAD_METRICS = {
 def test_a_bad_metric_is_one_paragraph_before_training(case, tmp_path):
     overrides, expected = BAD_METRICS[case]
     proc = run_forked("train.py", *overrides, f"run_dir={tmp_path}/run")
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert expected in lines[0], lines[0]
+    assert not (tmp_path / "run").exists()
+
+
+TASK = ("task=custom", "task._target_=custom_tasks.DigitValue", "task.monitor=mae")
+
+
+@pytest.fixture(scope="module")
+def regression_run(tmp_path_factory):
+    """The README's custom task: the digits' value regressed with MSE, scored by MAE."""
+    run = tmp_path_factory.mktemp("regression")
+    run_script("train.py", *TASK, "optim.lr=0.01", "trainer.precision=32", "logger=none",
+               f"run_dir={run}", nproc=2, env={"PYTHONPATH": str(ROOT / "tests")})  # fmt: skip
+    return run
+
+
+def test_a_custom_task_trains_picks_best_by_its_metric_and_evaluates(regression_run, tmp_path):
+    records = read_metrics(regression_run)
+    assert "val/accuracy" not in records[-1] and records[-1]["val/mae"] < 1.4, records[-1]
+    best = min(records, key=lambda r: r["val/mae"])  # task.monitor_mode=min (task=custom)
+    out = tmp_path / "eval.json"
+    proc = run_forked("eval.py", f"checkpoint={regression_run}/checkpoints/best.pt",
+                      f"output={out}", env={"PYTHONPATH": str(ROOT / "tests")})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    # A float sum, added in another order at another world size: equal to the last bits.
+    assert result["mae"] == pytest.approx(best["val/mae"], rel=1e-6)
+    assert result["loss"] == pytest.approx(best["val/loss"], rel=1e-6)
+    assert "confusion_matrix" not in result and not (tmp_path / "confusion_matrix.png").exists()
+
+
+def test_the_readmes_custom_task_is_the_tested_one():
+    readme = (ROOT / "README.md").read_text()
+    code = (ROOT / "tests" / "custom_tasks.py").read_text()
+    example = code.split("\n\n\nclass NoEvalStep")[0].strip()
+    assert f"```python\n# mypkg/tasks.py\n{example.split(chr(10), 1)[1].strip()}\n```" in readme
+    assert len(example.splitlines()) <= 31  # the module docstring, then at most 30 lines
+
+
+BAD_TASKS = {
+    "no eval_step": (["task=custom", "task._target_=custom_tasks.NoEvalStep"],
+                     "task._target_=custom_tasks.NoEvalStep has no eval_step"),
+    "no target": (["task=custom"], "task=custom needs task._target_=pkg.module.MyTask"),
+    "mixup": ([*TASK, "data.mixup_alpha=0.2"],
+              "data.mixup_alpha only apply to task=classification (this is task=custom)"),
+    "argument": ([*TASK, "+task.depth=3"], "custom_tasks.DigitValue rejected its arguments"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", BAD_TASKS)
+def test_a_bad_task_is_one_paragraph_before_training(case, tmp_path):
+    overrides, expected = BAD_TASKS[case]
+    proc = run_forked("train.py", *overrides, f"run_dir={tmp_path}/run",
+                      env={"PYTHONPATH": str(ROOT / "tests")})  # fmt: skip
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert expected in lines[0], lines[0]

@@ -17,8 +17,8 @@ from ddp_utils.data import IGNORE_LABEL
 from ddp_utils.models import build_model
 from ddp_utils.models.ema import EMA, ema_decay
 from ddp_utils.optim import param_groups
+from ddp_utils.tasks.classification import Criterion, build_mixing
 from ddp_utils.train.callbacks import build_callbacks
-from ddp_utils.train.loss import Criterion, build_mixing
 from ddp_utils.train.precision import resolve_precision
 
 RGB = dict(in_channels=3, mean=[0.5] * 3, std=[0.5] * 3)
@@ -212,10 +212,13 @@ def test_no_module_of_the_package_reads_a_test_only_variable():
 
 
 def _probe(*overrides: str) -> None:
-    from ddp_utils.models.probe import check_classifier
+    from ddp_utils.metrics import build_metrics
+    from ddp_utils.tasks import build_task, check_task
 
     cfg = compose_config(*overrides)
-    check_classifier(build_model(cfg.model, cfg.data), cfg, torch.device("cpu"))
+    task = build_task(cfg)
+    metrics = build_metrics(cfg.task, task, torch.device("cpu"))
+    check_task(task, build_model(cfg.model, cfg.data), metrics, cfg, torch.device("cpu"))
 
 
 def test_a_model_whose_output_does_not_fit_the_data_is_refused(monkeypatch):

@@ -246,6 +246,7 @@ def test_eval_metrics_match_scikit_learns_and_leave_skipped_images_out():
     from ddp_utils.config import TaskConfig
     from ddp_utils.data.samplers import BAD_LABEL
     from ddp_utils.metrics import build_metrics, evaluate
+    from ddp_utils.tasks.classification import Classification
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(500, 10, generator=g)
@@ -256,9 +257,11 @@ def test_eval_metrics_match_scikit_learns_and_leave_skipped_images_out():
     labels = torch.where(skipped, BAD_LABEL, target)
     # The logits stand in for the images: an identity model, a batch loader of 64.
     loader = torch.utils.data.DataLoader(list(zip(logits, labels, strict=True)), batch_size=64)
-    metrics = build_metrics(TaskConfig(), 10, torch.device("cpu"))
+    task = Classification(10)
+    metrics = build_metrics(TaskConfig(), task, torch.device("cpu"))
     rt = Runtime(0, 0, 1, 1, torch.device("cpu"), "gloo")
-    r = evaluate(torch.nn.Identity(), loader, torch.nn.Identity(), rt, metrics, skip_bad=True)
+    identity = torch.nn.Identity()
+    r = evaluate(identity, loader, identity, rt, task, metrics, skip_bad=True)
     y, scores = target[~skipped].numpy(), logits[~skipped]
     pred = scores.argmax(dim=1).numpy()
     assert (r["num_samples"], r["skipped_images"]) == (500 - 14, 14)

@@ -29,7 +29,9 @@ def _why(e: BaseException) -> str:
     return f"{type(cause).__name__}: {text[-1][:300] if text else ''}"
 
 
-def target_arguments(cfg: ModelConfig, data: DataConfig) -> dict[str, Any]:
+def target_arguments(
+    cfg: ModelConfig, data: DataConfig, num_outputs: int | None = None
+) -> dict[str, Any]:
     """What the target is called with (also stored in checkpoints through the config)."""
     try:
         target = get_object(cfg._target_)
@@ -39,7 +41,8 @@ def target_arguments(cfg: ModelConfig, data: DataConfig) -> dict[str, Any]:
             "path, and that its package is importable where you launch (PYTHONPATH)."
         ) from None
     offered: dict[str, Any] = {
-        "num_classes": data.num_classes, "in_channels": data.in_channels,
+        "num_classes": data.num_classes if num_outputs is None else num_outputs,
+        "in_channels": data.in_channels,
         "image_size": data.image_size,
     }  # fmt: skip
     if cfg.name != "custom":
@@ -48,9 +51,10 @@ def target_arguments(cfg: ModelConfig, data: DataConfig) -> dict[str, Any]:
     return {k: v for k, v in offered.items() if k in params} | dict(cfg.kwargs)
 
 
-def build_model(cfg: ModelConfig, data: DataConfig) -> nn.Module:
-    """Instantiate ``model._target_`` for the data, then load ``model.weights`` if given."""
-    args = target_arguments(cfg, data)
+def build_model(cfg: ModelConfig, data: DataConfig, num_outputs: int | None = None) -> nn.Module:
+    """Instantiate ``model._target_`` for the data (``num_classes`` outputs, or the task's
+    ``num_outputs``), then load ``model.weights`` if given."""
+    args = target_arguments(cfg, data, num_outputs)
     try:
         model = instantiate({"_target_": cfg._target_, "_convert_": "all", **args})
     except InstantiationException as e:

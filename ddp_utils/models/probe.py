@@ -11,8 +11,7 @@ import torch
 from hydra.utils import get_object
 from torch import nn
 
-from ddp_utils.config import ConfigError, DataConfig, ModelConfig, TrainConfig
-from ddp_utils.models import memory_format_of
+from ddp_utils.config import ConfigError, DataConfig, ModelConfig
 
 PROBE_BATCH = 2  # BatchNorm needs more than one value per channel (it is in eval mode anyway)
 # Sizes tried, only after a failure, to tell the user which one the model takes.
@@ -101,11 +100,3 @@ def _runs(model: nn.Module, channels: int, size: int, device: torch.device,
     except Exception:
         return False
     return True
-
-
-def check_classifier(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.Tensor:
-    """Classification: logits of shape (N, data.num_classes) for the data's images; returns
-    them (for the metrics' own check)."""
-    d = cfg.data
-    return check_output(model, cfg.model, d, device, memory_format_of(cfg.trainer.channels_last),
-                 (PROBE_BATCH, d.num_classes), f"data.num_classes={d.num_classes}")  # fmt: skip

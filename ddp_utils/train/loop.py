@@ -27,6 +27,7 @@ from ddp_utils.run import (
     setup_logging,
     write_run_files,
 )
+from ddp_utils.tasks import Batch
 from ddp_utils.tracking import environment_text, peak_memory_mb
 from ddp_utils.train.finite import diverged
 from ddp_utils.train.resume import resume, save
@@ -63,12 +64,9 @@ def train_step(tr: Training, images: torch.Tensor, labels: torch.Tensor, scale: 
     if tr.cfg.data.skip_bad_images:  # an unreadable image, skipped: counted apart, ignored
         tr.epoch_totals[2] += (labels == BAD_LABEL).sum()
         labels = torch.where(labels == BAD_LABEL, IGNORE_LABEL, labels)
-    # Padding duplicates carry an ignored label: the mean is over real samples only.
-    n_real = (labels != IGNORE_LABEL).sum()
-    images, targets = tr.criterion.mix(images, labels)
+    # Padding duplicates carry an ignored label: the task sums over real samples only.
     with tr.amp():
-        logits = tr.model(images)
-    loss_sum = tr.criterion.loss_sum(logits, targets)
+        loss_sum, n_real = tr.task.train_loss(tr.model, Batch(images, labels))
     tr.scaler.scale(loss_sum / n_real.clamp(min=1) * scale).backward()
     loss_sum = loss_sum.detach()
     if tr.scaler.is_enabled():
@@ -155,8 +153,8 @@ def reached_max_steps(tr: Training) -> bool:
 def validate(tr: Training, model: nn.Module, prefix: str) -> dict[str, Any]:
     """``prefix/NAME`` of every scalar metric (``accuracy``, ``loss``, ...) of ``model`` on the
     validation set; the full result (vectors too) goes to ``tr.validation[prefix]``."""
-    val = evaluate(model, tr.data.val, tr.data.preprocess_eval, tr.rt, tr.metrics, tr.amp,
-                   tr.watchdog, skip_bad=tr.cfg.data.skip_bad_images)  # fmt: skip
+    val = evaluate(model, tr.data.val, tr.data.preprocess_eval, tr.rt, tr.task, tr.metrics,
+                   tr.amp, tr.watchdog, skip_bad=tr.cfg.data.skip_bad_images)  # fmt: skip
     tr.validation[prefix] = val
     numbers = scalars(val)
     if not tr.cfg.data.skip_bad_images:

@@ -34,6 +34,7 @@ IDENTITY_KEYS = (
     "data.name", "data.in_channels", "data.image_size", "data.num_classes", "data.mean",
     "data.std", "data.val_fraction", "data.split_seed", "data.num_train", "data.num_val",
     "data._target_", "data.kwargs", "data.val_slice", "seed", "task.name",
+    "task._target_", "task.kwargs",
 )  # fmt: skip
 
 

@@ -19,16 +19,15 @@ from torchmetrics import MetricCollection
 from ddp_utils.config import ConfigError, TrainConfig, TrainerConfig, as_plain_dict
 from ddp_utils.data import DataBundle, build_data
 from ddp_utils.dist import Runtime
-from ddp_utils.metrics import build_metrics, check_metrics
+from ddp_utils.metrics import build_metrics
 from ddp_utils.models import build_model, memory_format_of
 from ddp_utils.models.ema import EMA, ema_decay
-from ddp_utils.models.probe import check_classifier
 from ddp_utils.optim import build_optimizer, build_scheduler, warmup_steps
 from ddp_utils.preemption import StopRequest
 from ddp_utils.progress import Progress
+from ddp_utils.tasks import Task, build_task, check_task
 from ddp_utils.tracking import Tracker
 from ddp_utils.train.callbacks import CallbackList, build_callbacks
-from ddp_utils.train.loss import Criterion, build_mixing
 from ddp_utils.train.precision import amp_context, resolve_precision
 from ddp_utils.train.rng import seed_everything
 from ddp_utils.watchdog import StepWatchdog
@@ -78,7 +77,7 @@ class Training:
     raw_model: nn.Module
     model: nn.Module
     data: DataBundle
-    criterion: Criterion
+    task: Task
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     warmup_steps: int
@@ -132,11 +131,12 @@ def build_training(cfg: TrainConfig, rt: Runtime, run_dir: Path) -> Training:
     # The same seed on every rank for the weights (DDP also broadcasts rank 0's), then a
     # per-rank seed so augmentation and dropout differ between ranks.
     seed_everything(cfg.seed)
-    raw_model = build_model(cfg.model, cfg.data)
+    task = build_task(cfg)
+    raw_model = build_model(cfg.model, cfg.data, task.num_outputs())
     model = wrap_ddp(raw_model, t, rt)
     raw_model = model.module if isinstance(model, DDP) else model._orig_mod.module
-    metrics = build_metrics(cfg.task, cfg.data.num_classes, rt.device)
-    check_metrics(metrics, check_classifier(raw_model, cfg, rt.device))
+    metrics = build_metrics(cfg.task, task, rt.device)
+    check_task(task, raw_model, metrics, cfg, rt.device)
     seed_everything(cfg.seed + rt.rank)
     data = build_data(cfg.data, rt, seed=cfg.seed, channels_last=t.channels_last)
     steps_per_epoch = math.ceil(len(data.train) / t.grad_accum_steps)
@@ -152,7 +152,7 @@ def build_training(cfg: TrainConfig, rt: Runtime, run_dir: Path) -> Training:
         raw_model=raw_model,
         model=model,
         data=data,
-        criterion=Criterion(cfg.data.num_classes, t.label_smoothing, build_mixing(cfg.data)),
+        task=task,
         optimizer=optimizer,
         scheduler=build_scheduler(cfg.sched, optimizer, cfg.optim.lr, total_steps, steps_per_epoch),
         warmup_steps=warmup_steps(cfg.sched, steps_per_epoch),
