@@ -341,3 +341,15 @@ def test_the_divergence_message_suggests_only_what_would_change(tmp_path, precis
     assert ("trainer.precision=32" in text) == (precision != "32")
     assert ("trainer.grad_clip=1.0" in text) == (clip is None)
     assert ("a lower trainer.grad_clip (now 2)" in text) == (clip is not None)
+
+
+def test_a_checkpoint_from_before_tasks_resumes_as_classification():
+    from ddp_utils.config import TrainConfig, as_plain_dict
+    from ddp_utils.train.resume import config_changes, resumed_best
+
+    stored = as_plain_dict(TrainConfig())
+    del stored["task"]  # the previous release's checkpoints have no task
+    assert config_changes(stored, TrainConfig()) == ([], [])
+    old = {"best_accuracy": 0.9, "best_ema_accuracy": -1.0, "config": stored}
+    assert resumed_best(old, "accuracy") == (0.9, None)
+    assert resumed_best(old, "loss") == (None, None)  # another monitor: its best afresh

@@ -90,9 +90,12 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def config_changes(stored: dict[str, Any], cfg: TrainConfig) -> tuple[list[str], list[str]]:
-    """(refused, allowed) changes between a checkpoint's config and this run's, as 'key: a -> b'."""
-    old = _flatten(stored)
+    """(refused, allowed) changes between a checkpoint's config and this run's, as 'key: a -> b'.
+
+    A key the checkpoint's release did not have yet (``task.*`` before tasks existed) counts
+    as its default then: what that release did."""
     new = _flatten(as_plain_dict(cfg))
+    old = _flatten(as_plain_dict(TrainConfig())) | _flatten(stored)
     refused, allowed = [], []
     for key in sorted(old.keys() | new.keys()):
         if key == "resume" or old.get(key) == new.get(key):
