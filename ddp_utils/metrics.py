@@ -28,14 +28,9 @@ from torchmetrics import Metric, MetricCollection
 from ddp_utils.config import ConfigError, TaskConfig
 from ddp_utils.data.samplers import BAD_LABEL, IGNORE_LABEL
 from ddp_utils.dist import Runtime, all_reduce_sum
+from ddp_utils.targets import why
 from ddp_utils.tasks import Batch, Task
 from ddp_utils.watchdog import StepWatchdog
-
-
-def _cause(e: BaseException) -> str:
-    cause = e.__cause__ or e
-    lines = str(cause).strip().splitlines()
-    return f"{type(cause).__name__}: {lines[-1][:300] if lines else ''}"
 
 
 def build_metric(name: str, spec: Any) -> Metric:
@@ -52,7 +47,7 @@ def build_metric(name: str, spec: Any) -> Metric:
     try:
         metric = instantiate(dict(spec), _convert_="all")
     except InstantiationException as e:
-        text = _cause(e)
+        text = why(e)
         if "Error locating target" in str(e) or isinstance(e.__cause__, ImportError):
             raise ConfigError(
                 f"{where}._target_={spec['_target_']} cannot be imported ({text}). Check the "

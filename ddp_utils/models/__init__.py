@@ -9,37 +9,25 @@
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
 from hydra.errors import InstantiationException
-from hydra.utils import get_object, instantiate
+from hydra.utils import instantiate
 from torch import nn
 
 from ddp_utils.config import ConfigError, DataConfig, ModelConfig
 from ddp_utils.run import log
+from ddp_utils.targets import target_arguments as call_arguments
+from ddp_utils.targets import why
 
 BUILTIN_KEYS = ("arch", "channels", "hidden", "batch_norm")
-
-
-def _why(e: BaseException) -> str:
-    cause = e.__cause__ or e
-    text = str(cause).strip().splitlines()
-    return f"{type(cause).__name__}: {text[-1][:300] if text else ''}"
 
 
 def target_arguments(
     cfg: ModelConfig, data: DataConfig, num_outputs: int | None = None
 ) -> dict[str, Any]:
     """What the target is called with (also stored in checkpoints through the config)."""
-    try:
-        target = get_object(cfg._target_)
-    except Exception as e:
-        raise ConfigError(
-            f"model._target_={cfg._target_} cannot be imported ({_why(e)}). Check the dotted "
-            "path, and that its package is importable where you launch (PYTHONPATH)."
-        ) from None
     offered: dict[str, Any] = {
         "num_classes": data.num_classes if num_outputs is None else num_outputs,
         "in_channels": data.in_channels,
@@ -47,8 +35,7 @@ def target_arguments(
     }  # fmt: skip
     if cfg.name != "custom":
         offered |= {k: getattr(cfg, k) for k in BUILTIN_KEYS}
-    params = inspect.signature(target).parameters
-    return {k: v for k, v in offered.items() if k in params} | dict(cfg.kwargs)
+    return call_arguments("model._target_", cfg._target_, offered, cfg.kwargs)
 
 
 def build_model(cfg: ModelConfig, data: DataConfig, num_outputs: int | None = None) -> nn.Module:
@@ -61,7 +48,7 @@ def build_model(cfg: ModelConfig, data: DataConfig, num_outputs: int | None = No
         if isinstance(e.__cause__, ConfigError):
             raise e.__cause__ from None
         raise ConfigError(
-            f"model._target_={cfg._target_} rejected its arguments {sorted(args)} ({_why(e)}). "
+            f"model._target_={cfg._target_} rejected its arguments {sorted(args)} ({why(e)}). "
             "Fix the +model.NAME=VALUE overrides to match its signature."
         ) from None
     if not isinstance(model, nn.Module):
@@ -95,7 +82,7 @@ def load_weights(model: nn.Module, path: str) -> None:
         raise ConfigError(f"model.weights={path}: no such file.") from None
     except Exception as e:
         raise ConfigError(
-            f"model.weights={path} does not load with weights_only=True ({_why(e)}); give a "
+            f"model.weights={path} does not load with weights_only=True ({why(e)}); give a "
             "state dict saved with torch.save(model.state_dict(), path)."
         ) from None
     if isinstance(state, dict) and isinstance(state.get("model"), dict):

@@ -7,17 +7,17 @@ metrics; ``task=custom task._target_=pkg.module.MyTask +task.NAME=VALUE`` builds
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
 from hydra.errors import InstantiationException
-from hydra.utils import get_object, instantiate
+from hydra.utils import instantiate
 from torch import nn
 
 from ddp_utils.config import ConfigError, TrainConfig
 from ddp_utils.models import memory_format_of
 from ddp_utils.models.probe import PROBE_BATCH, check_output
+from ddp_utils.targets import target_arguments, why
 from ddp_utils.tasks.base import Batch, Task
 
 __all__ = ["Batch", "Task", "build_task", "check_task"]
@@ -41,13 +41,6 @@ def build_task(cfg: TrainConfig) -> Task:
                 f"{', '.join(used)} only apply to task=classification (this is task={t.name}); "
                 "set them to 0."
             )
-    try:
-        target = get_object(t._target_)
-    except Exception as e:
-        raise ConfigError(
-            f"task._target_={t._target_} cannot be imported ({type(e).__name__}: {e}). Check "
-            "the dotted path, and that its package is importable where you launch (PYTHONPATH)."
-        ) from None
     offered: dict[str, Any] = {
         "num_classes": cfg.data.num_classes, "in_channels": cfg.data.in_channels,
         "image_size": cfg.data.image_size,
@@ -57,15 +50,13 @@ def build_task(cfg: TrainConfig) -> Task:
 
         offered |= {"label_smoothing": cfg.trainer.label_smoothing,
                     "mixing": build_mixing(cfg.data)}  # fmt: skip
-    params = inspect.signature(target).parameters
-    args = {k: v for k, v in offered.items() if k in params} | dict(t.kwargs)
+    args = target_arguments("task._target_", t._target_, offered, t.kwargs)
     try:
         task = instantiate({"_target_": t._target_, "_convert_": "all"}, **args)
     except InstantiationException as e:
-        cause = e.__cause__ or e
         raise ConfigError(
-            f"task._target_={t._target_} rejected its arguments {sorted(args)} "
-            f"({type(cause).__name__}: {cause}). Fix the +task.NAME=VALUE overrides."
+            f"task._target_={t._target_} rejected its arguments {sorted(args)} ({why(e)}). "
+            "Fix the +task.NAME=VALUE overrides."
         ) from None
     missing = [m for m in REQUIRED if getattr(type(task), m, None) in (None, getattr(Task, m))]
     if missing:
