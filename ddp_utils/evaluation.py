@@ -14,7 +14,7 @@ from ddp_utils.config import ConfigError, DataConfig, TrainConfig, as_plain_dict
 from ddp_utils.data import build_eval_data
 from ddp_utils.data.classes import class_difference
 from ddp_utils.dist import Runtime, init_distributed
-from ddp_utils.files import UNWRITABLE, atomic_write, unwritable
+from ddp_utils.files import UNWRITABLE, atomic_write_text, unwritable
 from ddp_utils.metrics import build_metrics, evaluate, scalars
 from ddp_utils.models import build_model, memory_format_of
 from ddp_utils.run import log, setup_logging
@@ -138,7 +138,7 @@ def write_report(result: dict[str, Any], output: Path, what: str, rt: Runtime) -
 
     picture = output.parent / "confusion_matrix.png"
     try:
-        atomic_write(output, lambda f: f.write(text.encode()))
+        atomic_write_text(output, text)
         if "confusion_matrix" in result:
             plot_confusion_matrix(result["confusion_matrix"], picture)
     except OSError as e:

@@ -25,12 +25,12 @@ class UnwritableError(ConfigError):
     exit_code = WRITE_FAILED_EXIT
 
 
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
+def _size(n: float) -> str:
+    units = ("B", "KiB", "MiB", "GiB", "TiB")
+    i = 0
+    while n >= 1024 and i < len(units) - 1:
+        n, i = n / 1024, i + 1
+    return f"{n:.0f} B" if i == 0 else f"{n:.1f} {units[i]}"
 
 
 def unwritable(e: OSError, run_dir: Path, key: str = "run_dir") -> UnwritableError:
@@ -79,6 +79,10 @@ def atomic_write(path: Path, write: Callable[[BinaryIO], Any]) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write(path, lambda f: f.write(text.encode()))
 
 
 def atomic_save(obj: Any, path: Path) -> None:

@@ -42,11 +42,12 @@ def run_label(run: Path) -> str:
 
 def draw_runs(runs: list[Path]) -> Figure:
     """Loss (train and val, on a log axis, so one diverged run does not flatten the others)
-    and val accuracy per epoch, one line per run."""
+    and val accuracy (or a task's own metric) per epoch, one line per run."""
     fig = Figure(figsize=(11, 4))
     ax_loss, ax_acc = fig.subplots(1, 2)
-    for run in runs:
-        records = read_records(run)
+    runs_records = [(run, read_records(run)) for run in runs]
+    metric = score_key(runs_records[0][1] if runs_records else [])
+    for run, records in runs_records:
         epochs = [r["epoch"] for r in records]
         label = run_label(run) if len(runs) > 1 else None
         (line,) = ax_loss.plot(epochs, [_value(r, "train/loss") for r in records], marker="o",
@@ -54,12 +55,10 @@ def draw_runs(runs: list[Path]) -> Figure:
         ax_loss.plot(epochs, [_value(r, "val/loss") for r in records], marker="s",
                      linestyle="--", color=line.get_color(),
                      label=f"{label} val" if label else "val")  # fmt: skip
-        metric = score_key(records)
         ax_acc.plot(epochs, [_value(r, metric) for r in records], marker="o",
                     color=line.get_color(), label=label or "val")  # fmt: skip
     ax_loss.set_yscale("log")
     ax_loss.set(xlabel="epoch", ylabel="loss (log scale)", title="loss")
-    metric = score_key(read_records(runs[0])) if runs else "val/accuracy"
     ax_acc.set(xlabel="epoch", ylabel=metric, title="validation " + metric.removeprefix("val/"))
     for ax in (ax_loss, ax_acc):
         ax.grid(alpha=0.3)

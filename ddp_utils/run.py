@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 
 from ddp_utils.config import ConfigError
 from ddp_utils.dist import Runtime, barrier, broadcast_object, read_launch_env
-from ddp_utils.files import UNWRITABLE, UnwritableError, atomic_write, unwritable
+from ddp_utils.files import UNWRITABLE, UnwritableError, atomic_write_text, unwritable
 from ddp_utils.lock import LOCK_NAME, RunLock
 
 LOGGER_NAME = "ddp_recipes"
@@ -169,17 +169,13 @@ def log_to_files(level: int, message: str) -> None:
             h.handle(log.makeRecord(log.name, level, __file__, 0, message, None, None))
 
 
-def write_text(path: Path, text: str) -> None:
-    atomic_write(path, lambda f: f.write(text.encode()))
-
-
 def write_run_files(run_dir: Path, files: dict[str, Callable[[], str]], rt: Runtime) -> None:
     """The main rank writes each ``name: text()`` into ``run_dir`` (config.yaml, env.json,
     classes.json, ...) atomically; an unwritable folder stops every rank together."""
 
     def write() -> None:
         for name, text in files.items():
-            write_text(run_dir / name, text())
+            atomic_write_text(run_dir / name, text())
 
     write_on_main(run_dir, rt, write)
 

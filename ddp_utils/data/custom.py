@@ -17,9 +17,7 @@ from hydra.utils import instantiate
 from torch.utils.data import Dataset
 
 from ddp_utils.config import ConfigError, DataConfig
-from ddp_utils.data.imagefolder import BadImageError, match_channels, pil_to_uint8, to_uint8
-from ddp_utils.data.samplers import BAD_LABEL
-from ddp_utils.run import log
+from ddp_utils.data.imagefolder import BadImages, match_channels, pil_to_uint8, to_uint8
 
 
 def load_custom(cfg: DataConfig) -> tuple[Dataset, Dataset]:
@@ -59,11 +57,10 @@ class CustomSource(Dataset):
     item whose image cannot be made one is skipped (``BAD_LABEL``) instead of stopping."""
 
     def __init__(self, ds: Dataset, cfg: DataConfig, split: str) -> None:
-        self.ds, self.channels, self.size = ds, cfg.in_channels, cfg.image_size
-        self.skip_bad = cfg.skip_bad_images
+        self.ds, self.channels = ds, cfg.in_channels
+        self.bad = BadImages(cfg)
         self.where = f"data._target_={cfg._target_} ({split} set)"
         self.classes = list(getattr(ds, "classes", []) or []) or None
-        self.warned: set[int] = set()
 
     def __len__(self) -> int:
         return len(self.ds)
@@ -73,12 +70,5 @@ class CustomSource(Dataset):
         try:
             return to_uint8_image(image, self.channels, f"{self.where}, item {i}"), int(label)
         except ConfigError as e:
-            if not self.skip_bad:
-                raise BadImageError(
-                    f"{e}. Fix the data set's item, or set data.skip_bad_images=true to skip "
-                    "such items."
-                ) from None
-            if i not in self.warned:
-                self.warned.add(i)
-                log.warning("skipping %s", e)
-            return torch.zeros(self.channels, self.size, self.size, dtype=torch.uint8), BAD_LABEL
+            stop = f"{e}. Fix the item, or set data.skip_bad_images=true to skip such items."
+            return self.bad.handle(i, stop, f"skipping {e}")

@@ -15,6 +15,7 @@ import json
 import os
 import re
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -155,14 +156,15 @@ class FolderWalk:
         self.seen_dirs = {_key(os.stat(folder))} | {_key(d.stat()) for d in dirs}
         self.seen_files: set[tuple[int, int]] = set()
         self.found: list[list[tuple[str, int]]] = [[] for _ in dirs]  # (path, size) per class
-        self.dir_links: list[tuple[int, str]] = []  # followed once every real folder is listed
+        # Followed once every real folder is listed, first found first.
+        self.dir_links: deque[tuple[int, str]] = deque()
         self.file_links: list[tuple[int, os.DirEntry]] = []
         self.duplicates = 0
         self.warnings: list[str] = []
         for label, d in enumerate(dirs):
             self._list(label, d.path)
         while self.dir_links:
-            label, path = self.dir_links.pop(0)
+            label, path = self.dir_links.popleft()
             if self._follow(path):
                 self._list(label, path)
         for label, entry in self.file_links:
@@ -181,8 +183,8 @@ class FolderWalk:
                     if e.is_dir():
                         if e.is_symlink():
                             self.dir_links.append((label, e.path))
-                        elif _key(e.stat()) not in self.seen_dirs:  # a bind mount seen twice
-                            self.seen_dirs.add(_key(e.stat()))
+                        elif (key := _key(e.stat())) not in self.seen_dirs:  # bind mounts
+                            self.seen_dirs.add(key)
                             subdirs.append(e.path)
                     elif is_image(e.name):
                         if e.is_symlink():
@@ -376,13 +378,30 @@ def decode(path: str, channels: int) -> torch.Tensor:
         return pil_to_uint8(im, channels, path)
 
 
+class BadImages:
+    """What a source does with an image it cannot use: stop, naming it, or with
+    ``data.skip_bad_images`` return a blank image labelled ``BAD_LABEL`` (left out of the loss
+    and the metrics), warning once per item in each worker process."""
+
+    def __init__(self, cfg: DataConfig) -> None:
+        self.skip, self.channels, self.size = cfg.skip_bad_images, cfg.in_channels, cfg.image_size
+        self.warned: set[object] = set()
+
+    def handle(self, item: object, stop: str, warning: str) -> tuple[torch.Tensor, int]:
+        if not self.skip:
+            raise BadImageError(stop) from None  # the paragraph, not the decoder's traceback
+        if item not in self.warned:
+            self.warned.add(item)
+            log.warning("%s", warning)
+        return torch.zeros(self.channels, self.size, self.size, dtype=torch.uint8), BAD_LABEL
+
+
 class ImageFolderSource(Dataset):
     """``(uint8 CHW image, label)`` for each file of a ``FolderIndex``, decoded on access."""
 
     def __init__(self, index: FolderIndex, cfg: DataConfig) -> None:
-        self.index, self.channels, self.size = index, cfg.in_channels, cfg.image_size
-        self.skip_bad = cfg.skip_bad_images
-        self.warned: set[str] = set()
+        self.index, self.channels = index, cfg.in_channels
+        self.bad = BadImages(cfg)
         self.classes = index.classes
 
     def __len__(self) -> int:
@@ -396,15 +415,9 @@ class ImageFolderSource(Dataset):
             last_line = str(e).strip().splitlines()[-1] if str(e).strip() else ""
             last_line = re.sub(r"^\S+\(\), \S+:\d+, ", "", last_line)  # the C++ file and line
             reason = whole_sentences(last_line) or type(e).__name__
-            if not self.skip_bad:
-                raise BadImageError(
-                    f"cannot read the image {path} ({reason}). Replace or delete the "
-                    "file, or set data.skip_bad_images=true to skip unreadable images."
-                ) from None
-            if path not in self.warned:  # once per file in each worker process
-                self.warned.add(path)
-                log.warning("skipping the unreadable image %s (%s)", path, reason)
-            return torch.zeros(self.channels, self.size, self.size, dtype=torch.uint8), BAD_LABEL
+            stop = (f"cannot read the image {path} ({reason}). Replace or delete the file, or "
+                    "set data.skip_bad_images=true to skip unreadable images.")  # fmt: skip
+            return self.bad.handle(path, stop, f"skipping the unreadable image {path} ({reason})")
 
 
 def check_same_classes(train: list[str], val: list[str], cfg: DataConfig) -> None:

@@ -16,9 +16,9 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from torch import nn
 
+from ddp_utils import targets
 from ddp_utils.config import ConfigError, DataConfig, ModelConfig
 from ddp_utils.run import log
-from ddp_utils.targets import target_arguments as call_arguments
 from ddp_utils.targets import why
 
 BUILTIN_KEYS = ("arch", "channels", "hidden", "batch_norm")
@@ -35,7 +35,7 @@ def target_arguments(
     }  # fmt: skip
     if cfg.name != "custom":
         offered |= {k: getattr(cfg, k) for k in BUILTIN_KEYS}
-    return call_arguments("model._target_", cfg._target_, offered, cfg.kwargs)
+    return targets.target_arguments("model._target_", cfg._target_, offered, cfg.kwargs)
 
 
 def build_model(cfg: ModelConfig, data: DataConfig, num_outputs: int | None = None) -> nn.Module:

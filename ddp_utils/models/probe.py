@@ -5,37 +5,39 @@ of training silently on a wrong head or failing deep inside the loss.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+from collections.abc import Iterator
 
 import torch
 from hydra.utils import get_object
 from torch import nn
 
 from ddp_utils.config import ConfigError, DataConfig, ModelConfig
+from ddp_utils.targets import why
 
 PROBE_BATCH = 2  # BatchNorm needs more than one value per channel (it is in eval mode anyway)
 # Sizes tried, only after a failure, to tell the user which one the model takes.
 PROBE_SIZES = (16, 32, 64, 96, 128, 160, 192, 224, 256, 299, 384)
 
 
-@torch.no_grad()
-def probe(model: nn.Module, channels: int, size: int, device: torch.device,
-          memory_format: torch.memory_format) -> torch.Tensor:  # fmt: skip
-    """``model``'s output for ``PROBE_BATCH`` blank images; eval mode, so no running
-    statistic moves and no random number is drawn."""
+def blank_images(data: DataConfig, size: int, device: torch.device,
+                 memory_format: torch.memory_format) -> torch.Tensor:  # fmt: skip
+    """``PROBE_BATCH`` black images of the data's channels at ``size`` pixels."""
+    x = torch.zeros(PROBE_BATCH, data.in_channels, size, size, device=device)
+    return x.contiguous(memory_format=memory_format)
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module) -> Iterator[None]:
+    """Eval mode, no gradients: no running statistic moves, no random number is drawn."""
     was_training = model.training
     model.eval()
     try:
-        x = torch.zeros(PROBE_BATCH, channels, size, size, device=device)
-        out = model(x.contiguous(memory_format=memory_format))
+        with torch.no_grad():
+            yield
     finally:
         model.train(was_training)
-    if not isinstance(out, torch.Tensor):
-        raise ConfigError(
-            f"the model returned {type(out).__name__}, not a tensor of logits: return the "
-            "logits tensor from forward() (in eval mode too)."
-        )
-    return out
 
 
 def describe(cfg: ModelConfig) -> str:
@@ -54,49 +56,38 @@ def describe(cfg: ModelConfig) -> str:
     return f"model._target_={cfg._target_} (its parameters: {signature}{given})"
 
 
-def check_output(
-    model: nn.Module,
-    cfg: ModelConfig,
-    data: DataConfig,
-    device: torch.device,
-    memory_format: torch.memory_format,
-    expected: tuple[int, ...],
-    what: str,
-) -> torch.Tensor:
-    """Refuse a model whose output for ``PROBE_BATCH`` images is not ``expected`` (``what``
-    says which config keys decide it), or which cannot take ``data.image_size`` images;
-    return that output."""
-    channels, size = data.in_channels, data.image_size
-    try:
-        out = probe(model, channels, size, device, memory_format)
-    except ConfigError:
-        raise
-    except Exception as e:  # a size the model cannot take, or a bug of the model's
-        larger = (s for s in PROBE_SIZES if s > size)
-        fits = next((s for s in larger if _runs(model, channels, s, device, memory_format)), None)
-        if fits is None:
-            raise  # not the image size: a bug in the model, with its traceback
-        last = (str(e).strip().splitlines() or [""])[-1][:200]
+def check_logits(out: object, cfg: ModelConfig, data: DataConfig, expected: tuple[int, ...],
+                 what: str) -> None:  # fmt: skip
+    """Refuse an output that is not a tensor of shape ``expected`` (``what``: the config keys
+    that decide it)."""
+    if not isinstance(out, torch.Tensor):
         raise ConfigError(
-            f"{describe(cfg)} cannot take data.image_size={size} images ({type(e).__name__}: "
-            f"{last}). It runs at data.image_size={fits}: set that (and data.resize_size for "
-            "image folders), or pick a model made for smaller images."
-        ) from None
-    shape = tuple(out.shape)
-    if shape != expected:
+            f"the model returned {type(out).__name__}, not a tensor of logits: return the "
+            "logits tensor from forward() (in eval mode too)."
+        )
+    if tuple(out.shape) != expected:
+        size = data.image_size
         raise ConfigError(
             f"the output of {describe(cfg)} for a batch of {PROBE_BATCH} images of "
-            f"{channels}x{size}x{size} has shape {shape}, but {what} needs {expected}. Build "
-            "the model for it (model=custom: pass the class count under the name its "
-            "constructor takes, +model.NAME=VALUE), or correct the data's settings."
+            f"{data.in_channels}x{size}x{size} has shape {tuple(out.shape)}, but {what} needs "
+            f"{expected}. Build the model for it (model=custom: pass the class count under the "
+            "name its constructor takes, +model.NAME=VALUE), or correct the data's settings."
         )
-    return out
 
 
-def _runs(model: nn.Module, channels: int, size: int, device: torch.device,
-          memory_format: torch.memory_format) -> bool:  # fmt: skip
-    try:
-        probe(model, channels, size, device, memory_format)
-    except Exception:
-        return False
-    return True
+def size_error(model: nn.Module, cfg: ModelConfig, data: DataConfig, device: torch.device,
+               memory_format: torch.memory_format, e: Exception) -> ConfigError | None:  # fmt: skip
+    """After ``model`` failed on ``data.image_size`` images with ``e``: the error naming the
+    size it runs at, or None when no size helps (a bug in the model)."""
+    for size in (s for s in PROBE_SIZES if s > data.image_size):
+        try:
+            with eval_mode(model):
+                model(blank_images(data, size, device, memory_format))
+        except Exception:
+            continue
+        return ConfigError(
+            f"{describe(cfg)} cannot take data.image_size={data.image_size} images ({why(e)}). "
+            f"It runs at data.image_size={size}: set that (and data.resize_size for image "
+            "folders), or pick a model made for smaller images."
+        )
+    return None

@@ -7,6 +7,7 @@ metrics; ``task=custom task._target_=pkg.module.MyTask +task.NAME=VALUE`` builds
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -16,7 +17,7 @@ from torch import nn
 
 from ddp_utils.config import ConfigError, TrainConfig
 from ddp_utils.models import memory_format_of
-from ddp_utils.models.probe import PROBE_BATCH, check_output
+from ddp_utils.models.probe import PROBE_BATCH, blank_images, check_logits, eval_mode, size_error
 from ddp_utils.targets import target_arguments, why
 from ddp_utils.tasks.base import Batch, Task
 
@@ -80,34 +81,55 @@ class _NamedUpdates:
             try:
                 metric.update(*args, **kwargs)
             except Exception as e:
-                lines = str(e).strip().splitlines()
                 raise ConfigError(
                     f"task.metrics.{name} ({type(metric).__name__}) cannot take this task's "
-                    f"batches ({type(e).__name__}: {lines[-1][:300] if lines else ''}). Fix its "
-                    f"arguments (+task.metrics.{name}.num_classes='${{data.num_classes}}', say)."
+                    f"batches ({why(e)}). Fix its arguments "
+                    f"(+task.metrics.{name}.num_classes='${{data.num_classes}}', say)."
                 ) from None
 
 
-@torch.no_grad()
+class _Checked(nn.Module):
+    """The model during ``check_task``: its output is checked against the task's shape as soon
+    as it is made, before any metric sees it."""
+
+    def __init__(self, model: nn.Module, check: Callable[[Any], None]) -> None:
+        super().__init__()
+        self.model, self.check, self.ran = model, check, False
+
+    def forward(self, x: torch.Tensor) -> Any:
+        out = self.model(x)
+        self.ran = True
+        self.check(out)
+        return out
+
+
 def check_task(
     task: Task, model: nn.Module, metrics: Any, cfg: TrainConfig, device: torch.device
 ) -> None:
-    """Before the first step (and in eval.py), on blank images of the data's shape: the
-    model's output has the task's shape and takes ``data.image_size``, and one ``eval_step``
-    updates every metric; then the metrics are reset. Eval mode: nothing moves."""
+    """Before the first step (and in eval.py), one ``eval_step`` on blank images of the data's
+    shape, in eval mode (nothing moves): the model takes ``data.image_size``, its output has the
+    task's shape, and every metric takes the batch; then the metrics are reset."""
     memory_format = memory_format_of(cfg.trainer.channels_last)
     expected = task.output_shape(PROBE_BATCH)
-    if expected is not None:
-        check_output(model, cfg.model, cfg.data, device, memory_format, expected,
-                     task.output_keys())  # fmt: skip
-    d = cfg.data
-    blank = torch.zeros(PROBE_BATCH, d.in_channels, d.image_size, d.image_size, device=device)
-    labels = torch.zeros(PROBE_BATCH, dtype=torch.long, device=device)
-    batch = Batch(blank.contiguous(memory_format=memory_format), labels, all_real=True)
-    was_training = model.training
-    model.eval()
+
+    def check(out: Any) -> None:
+        if expected is not None:
+            check_logits(out, cfg.model, cfg.data, expected, task.output_keys())
+
+    checked = _Checked(model, check)
+    inputs = blank_images(cfg.data, cfg.data.image_size, device, memory_format)
+    batch = Batch(inputs, torch.zeros(PROBE_BATCH, dtype=torch.long, device=device), True)
     try:
-        task.eval_step(model, batch, _NamedUpdates(metrics))
+        with eval_mode(model):
+            task.eval_step(checked, batch, _NamedUpdates(metrics))
+    except ConfigError:
+        raise
+    except Exception as e:
+        if checked.ran:
+            raise  # the model ran: a bug in the task, with its traceback
+        error = size_error(model, cfg.model, cfg.data, device, memory_format, e)
+        if error is None:
+            raise  # no size helps: a bug in the model, with its traceback
+        raise error from None
     finally:
-        model.train(was_training)
         metrics.reset()
