@@ -13,12 +13,19 @@ from omegaconf import DictConfig
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from ddp_utils.dist import shutdown
-from ddp_utils.entry import clean_exit, register, user_errors
+from ddp_utils.entry import (
+    clean_exit,
+    implied_options,
+    register,
+    user_errors,
+    with_checkpoint_options,
+)
 
 register()
 
 
 @user_errors  # Hydra's composition errors: one line from rank 0, exit 2
+@with_checkpoint_options  # the checkpoint's data, model and task options, to override keys of
 @hydra.main(version_base=None, config_path="conf", config_name="eval")
 @record  # torchrun then reports the failing rank's traceback
 def main(cfg: DictConfig) -> float:
@@ -26,7 +33,7 @@ def main(cfg: DictConfig) -> float:
 
     with clean_exit():
         try:
-            result = run_eval(cfg)
+            result = run_eval(cfg, implied_options())
             return result.get(result["monitor"], float("nan"))
         finally:
             shutdown()

@@ -27,7 +27,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ddp_utils.config import DataConfig  # noqa: E402
+from ddp_utils.config import ImageFolderData  # noqa: E402
 from ddp_utils.data import build_data  # noqa: E402
 from ddp_utils.dist import Runtime  # noqa: E402
 
@@ -84,8 +84,8 @@ def classic_loader(root: Path, workers: int, batch: int, size: int):
 
 
 def ours_loader(root: Path, workers: int, batch: int, size: int, device: torch.device):
-    cfg = DataConfig(
-        name="imagefolder", root=str(root), in_channels=3, image_size=size, augment=True,
+    cfg = ImageFolderData(
+        root=str(root), in_channels=3, image_size=size, augment=True,
         num_classes=len(PHOTOS), mean=list(MEAN), std=list(STD), batch_size=batch,
         num_workers=workers,
     )  # fmt: skip

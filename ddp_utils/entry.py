@@ -14,6 +14,7 @@ import os
 import re
 import sys
 import time
+import zipfile
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
@@ -21,6 +22,7 @@ from hydra.errors import HydraException, MissingConfigException
 from omegaconf.errors import OmegaConfBaseException
 
 from ddp_utils.config import ConfigError, register_configs
+from ddp_utils.config.options import GROUPS, not_a_key, options_of_schema
 from ddp_utils.dist import finish_together, lost_peer, read_launch_env, write_error_file
 from ddp_utils.preemption import INTERRUPTED_EXIT, Preempted, pass_on
 from ddp_utils.run import log_to_files
@@ -124,6 +126,50 @@ def user_errors(main: Callable[[], Any]) -> Callable[[], Any]:
     return wrapper
 
 
+def with_checkpoint_options(main: Callable[[], Any]) -> Callable[[], Any]:
+    """eval.py: compose with the checkpoint's own data, model and task options (for the groups
+    the command line leaves alone), so that their keys, such as ``data.root``, are the ones
+    that can be overridden. An unreadable checkpoint is one message, exit 2."""
+
+    @functools.wraps(main)
+    def wrapper() -> Any:
+        try:
+            _implied[:] = checkpoint_options(sys.argv[1:])
+        except ConfigError as e:
+            report(str(e), USER_ERROR_EXIT)
+        sys.argv += _implied
+        return main()
+
+    return wrapper
+
+
+_implied: list[str] = []  # what with_checkpoint_options added to the command line
+
+
+def implied_options() -> list[str]:
+    """The ``GROUP=OPTION`` overrides eval.py took from the checkpoint, not from the user: they
+    choose the schemas, and leave the checkpoint's values alone."""
+    return list(_implied)
+
+
+def checkpoint_options(args: list[str]) -> list[str]:
+    """``GROUP=OPTION`` overrides of the options stored in the ``checkpoint=PATH`` that
+    ``args`` name, for each of data, model and task that ``args`` do not choose."""
+    paths = [a.split("=", 1)[1] for a in args if re.match(r"\+*checkpoint=", a)]
+    if len(paths) != 1 or "," in paths[0]:  # none, or a sweep over checkpoints
+        return []
+    from ddp_utils.train.checkpoint import load_checkpoint  # torch: only now
+
+    # Mapped, not read, where the file's format allows: only its config is wanted here.
+    stored = load_checkpoint(paths[0], mmap=zipfile.is_zipfile(paths[0]))["config"]
+    chosen = {m.group(1) for a in args if (m := re.match(r"[+~]*(\w+)=", a))}
+    return [
+        f"{group}={stored[group]['name']}"
+        for group, (_, options) in GROUPS.items()
+        if group not in chosen and stored.get(group, {}).get("name") in options
+    ]
+
+
 def end_sweep() -> None:
     """After a sweep whose jobs ran on every rank here, every rank waits for the others: global
     rank 0 may still be writing the summary."""
@@ -143,8 +189,9 @@ def report_failed_sweep(error: Exception) -> NoReturn:
     report(f"{failed} of {total} sweep jobs failed; see {sweep_dir / 'summary.csv'}", code)
 
 
-def hydra_error_paragraph(e: BaseException) -> str:
-    """Hydra's multi-line message (and its cause's) as one paragraph with the fix."""
+def hydra_error_paragraph(e: BaseException, args: list[str] | None = None) -> str:
+    """Hydra's multi-line message (and its cause's) as one paragraph with the fix; ``args``
+    (the command line's) say which option of a group was chosen."""
     if isinstance(e, MissingConfigException) and e.options and e.missing_cfg_file:
         group, _, option = e.missing_cfg_file.rpartition("/")
         return (f"{group}={option} is not an option; the options of {group} are: "
@@ -157,6 +204,14 @@ def hydra_error_paragraph(e: BaseException) -> str:
     text = re.sub(r"To append to your config use \+\S+ ?", "", text)
     text = re.sub(r" ?(full_key: \S+|reference_type=\S+|object_type=\S+)", "", text)
     text = re.sub(r"^Error merging override (\S+) ", r"\1: ", text)
+    if (m := re.search(r"Key '(\w+)' not in '(\w+)'", text)) and (
+        owner := options_of_schema(m.group(2))
+    ):
+        group, options = owner
+        given = sys.argv[1:] if args is None else args
+        chosen = [a.split("=", 1)[1] for a in given if re.match(rf"[+~]*{group}=\w", a)]
+        chosen = [c for c in chosen if c in options]
+        return not_a_key(group, chosen[-1] if chosen else " | ".join(options), m.group(1))
     if "not in '" in text or "Could not override" in text:
         text = text.rstrip(".") + ". Check the spelling: python train.py --cfg job lists every key."
     return text

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +11,15 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 
-from ddp_utils.config import ConfigError, DataConfig, TrainConfig, as_plain_dict, to_schema
+from ddp_utils.config import (
+    ConfigError,
+    DataConfig,
+    TrainConfig,
+    as_plain_dict,
+    from_record,
+    skips_bad_images,
+    to_schema,
+)
 from ddp_utils.data import build_eval_data
 from ddp_utils.data.classes import class_difference
 from ddp_utils.dist import Runtime, init_distributed
@@ -27,17 +36,18 @@ EVAL_ONLY_KEYS = ("checkpoint", "output", "ema")
 REPORT_COUNTS = ("num_samples", "skipped_images", "world_size")  # said in the first line
 
 
-def command_line_keys() -> list[str]:
-    """The keys (or groups) the user set on the command line, e.g. ``data.root`` or ``data``."""
-    overrides = HydraConfig.get().overrides.task
-    parsed = OverridesParser.create().parse_overrides(list(overrides))
+def command_line_keys(implied: Sequence[str] = ()) -> list[str]:
+    """The keys (or groups) the user set on the command line, e.g. ``data.root`` or ``data``;
+    not the ``implied`` ones, which eval.py added to compose with the checkpoint's options."""
+    overrides = [o for o in HydraConfig.get().overrides.task if o not in implied]
+    parsed = OverridesParser.create().parse_overrides(overrides)
     return [o.key_or_group for o in parsed]
 
 
 def checkpoint_config(stored: dict[str, Any], cfg: DictConfig, keys: list[str]) -> TrainConfig:
     """The config the checkpoint was trained with, with the command line's keys taken from
     ``cfg`` (so ``data.root=...`` or a whole group such as ``data=mnist`` override it)."""
-    merged = OmegaConf.merge(OmegaConf.structured(TrainConfig), stored)
+    merged = from_record(stored)
     for key in keys:
         if key.split(".")[0] in EVAL_ONLY_KEYS:
             continue
@@ -58,15 +68,16 @@ def default_output(checkpoint: Path) -> Path:
     return run_dir / "eval.json"
 
 
-def run_eval(cfg: DictConfig) -> dict[str, Any]:
-    """Load the checkpoint, join the process group, score the split on every rank, report."""
+def run_eval(cfg: DictConfig, implied: Sequence[str] = ()) -> dict[str, Any]:
+    """Load the checkpoint, join the process group, score the split on every rank, report.
+    ``implied``: the overrides eval.py took from the checkpoint (``data=imagefolder``, ...)."""
     if OmegaConf.is_missing(cfg, "checkpoint"):
         raise ConfigError(
             "checkpoint=PATH is required: python eval.py checkpoint=RUN/checkpoints/best.pt"
         )
     checkpoint = Path(cfg.checkpoint)
     ckpt = load_checkpoint(checkpoint)
-    train_cfg = checkpoint_config(ckpt["config"], cfg, command_line_keys())
+    train_cfg = checkpoint_config(ckpt["config"], cfg, command_line_keys(implied))
     task = build_task(train_cfg)
     model = build_model(train_cfg.model, train_cfg.data, task.num_outputs())
     load_model_state(
@@ -93,7 +104,7 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
     try:
         result = evaluate(model, loader, preprocess, rt, task, metrics,
                           amp_context(precision, rt.device), watchdog,
-                          skip_bad=data.skip_bad_images)  # fmt: skip
+                          skip_bad=skips_bad_images(data))  # fmt: skip
     finally:
         watchdog.close()
     result.update(world_size=rt.world_size, checkpoint=str(checkpoint), ema=cfg.ema,

@@ -10,14 +10,14 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ddp_utils.config import DataConfig
+from ddp_utils.config import DigitsData
 from ddp_utils.data.builtin import load_split
 
 
 def write_digits_folder(root: Path, ext: str = "png", limit: int | None = None) -> Path:
     """``root/train/<digit>/NNNN.ext`` and ``root/val/...``: data=digits' own split as files,
     so the tensor path and the image-folder path train on the same images."""
-    cfg = DataConfig()
+    cfg = DigitsData()
     for split in ("train", "val"):
         ds = load_split(cfg, split)
         n = len(ds) if limit is None else min(limit, len(ds))
@@ -41,7 +41,7 @@ class _Digits(torch.utils.data.Dataset):
     """The digits as a user's data set might hold them: PIL images, or float tensors."""
 
     def __init__(self, split: str, as_pil: bool, limit: int | None) -> None:
-        ds = load_split(DataConfig(), split)
+        ds = load_split(DigitsData(), split)
         n = len(ds) if limit is None else min(limit, len(ds))
         self.images, self.labels, self.as_pil = ds.images[:n], ds.labels[:n], as_pil
         self.classes = [str(i) for i in range(10)]

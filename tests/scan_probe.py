@@ -11,7 +11,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ddp_utils.config import DataConfig, TrainerConfig  # noqa: E402
+from ddp_utils.config import ImageFolderData, TrainerConfig  # noqa: E402
 from ddp_utils.data import build_data, imagefolder  # noqa: E402
 from ddp_utils.dist import init_distributed, shutdown  # noqa: E402
 
@@ -34,8 +34,8 @@ imagefolder.scan, imagefolder.read_cache = counting_scan, counting_read
 if __name__ == "__main__":
     root, out = sys.argv[1], Path(sys.argv[2])
     rt = init_distributed(TrainerConfig(device="cpu"))
-    cfg = DataConfig(name="imagefolder", root=root, in_channels=1, image_size=8, num_workers=0,
-                     mean=[0.3], std=[0.38])  # fmt: skip
+    cfg = ImageFolderData(root=root, in_channels=1, image_size=8, num_workers=0, mean=[0.3],
+                          std=[0.38])  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     for build in range(2):  # a first job, then one that finds the index cached
         counts.update(scans=0, cache_reads=0)

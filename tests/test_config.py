@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import pytest
 from conftest import ROOT
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
-from ddp_utils.config import ConfigError, EvalConfig, TrainConfig, to_schema
+from ddp_utils.config import (
+    ConfigError,
+    EvalConfig,
+    TrainConfig,
+    option_schema,
+    options_help,
+    to_schema,
+)
 from ddp_utils.entry import register
 
 register()
@@ -49,14 +59,17 @@ def test_experiment_overrides_groups():
     assert cfg.data.name == "mnist" and cfg.data.image_size == 28 and cfg.trainer.epochs == 2
 
 
-def test_public_keys_exist():
-    cfg = compose_train()
-    for key in (
-        "data.root", "data.download", "data.batch_size", "data.num_workers", "optim.lr",
-        "trainer.epochs", "trainer.max_steps", "trainer.precision", "trainer.sync_bn",
-        "trainer.grad_accum_steps", "trainer.grad_clip", "trainer.compile", "trainer.device",
-        "trainer.backend", "seed", "run_dir",
-    ):  # fmt: skip
+@pytest.mark.parametrize("option,keys", [
+    ("data=digits", ("data.batch_size", "data.num_workers", "data.val_fraction", "optim.lr",
+                     "trainer.epochs", "trainer.max_steps", "trainer.precision", "trainer.sync_bn",
+                     "trainer.grad_accum_steps", "trainer.grad_clip", "trainer.compile",
+                     "trainer.device", "trainer.backend", "seed", "run_dir")),
+    ("data=mnist", ("data.root", "data.download", "data.val_slice")),
+    ("data=imagefolder", ("data.root", "data.train_dir", "data.skip_bad_images")),
+])  # fmt: skip
+def test_public_keys_exist(option, keys):
+    cfg = compose_train(option)
+    for key in keys:
         group, _, leaf = key.rpartition(".")
         assert leaf in (cfg[group] if group else cfg), key
 
@@ -137,3 +150,77 @@ def test_precision_accepts_a_number():
 def test_eval_config_requires_a_checkpoint():
     cfg = compose_train("checkpoint=x.pt", name="eval")
     assert isinstance(to_schema(cfg, EvalConfig), EvalConfig)
+
+
+SCHEMA_GROUPS = ("data", "model", "task")
+
+
+@pytest.mark.parametrize(
+    "group,option", [(g, o) for g in SCHEMA_GROUPS for o in options(g)], ids=lambda v: str(v)
+)
+def test_each_option_composes_onto_its_own_schema_with_only_its_keys(group, option):
+    node = compose_train(f"{group}={option}")[group]
+    schema = option_schema(group, option)
+    assert OmegaConf.get_type(node) is schema
+    assert list(node) == [f.name for f in fields(schema)]
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["data=synthetic", "data.train_dir=x"],
+         "data.train_dir is not a key of data=synthetic: it belongs to data=imagefolder. Pick"),
+        (["data.root=/data"], "data.root is not a key of data=digits: it belongs to data=mnist |"
+         " fashion_mnist | cifar10 | imagefolder"),
+        (["data=cifar10", "data.val_fraction=0.1"],
+         "data.val_fraction is not a key of data=cifar10: it belongs to data=digits"),
+        (["model=mlp", "model.arch=resnet18"],
+         "model.arch is not a key of model=mlp: it belongs to model=resnet18 | torchvision | timm"),
+        (["model=resnet18", "model.hidden=3"],
+         "model.hidden is not a key of model=resnet18: it belongs to model=mlp"),
+        (["task.kwargs={}"], "task.kwargs is not a key of task=classification: it belongs to "
+         "task=custom"),
+        (["data=imagefolder", "data.batchsize=3"], "data.batchsize is not a key of "
+         "data=imagefolder; check its spelling (python train.py --help lists each option's keys)"),
+    ],
+)  # fmt: skip
+def test_a_key_of_another_option_is_refused_by_name_at_composition(overrides, message):
+    from ddp_utils.entry import hydra_error_paragraph
+
+    with pytest.raises(ConfigCompositionException) as e:
+        compose_train(*overrides)
+    assert message in hydra_error_paragraph(e.value, overrides)
+
+
+def test_a_key_added_with_plus_to_another_option_is_refused_by_name():
+    with pytest.raises(ConfigError, match="data.num_train is not a key of data=imagefolder: it "
+                       "belongs to data=synthetic"):  # fmt: skip
+        to_schema(compose_train("data=imagefolder", "+data.num_train=3"))
+    with pytest.raises(ConfigError, match="names another option than the one composed"):
+        to_schema(compose_train("data.name=mnist"))
+
+
+def test_help_and_readme_list_each_options_own_keys():
+    text = options_help()
+    assert "  data=digits: val_fraction split_seed val_slice" in text
+    assert "  data=synthetic: num_train num_val" in text
+    assert "  model=mlp: hidden" in text and "  task=custom: +task.NAME=VALUE" in text
+    assert f"```text\n{text}\n```" in (ROOT / "README.md").read_text()
+
+
+def test_eval_composes_with_the_checkpoints_own_options(tmp_path):
+    import torch
+
+    from ddp_utils.config import CustomTask, ImageFolderData, TrainConfig, as_plain_dict
+    from ddp_utils.entry import checkpoint_options
+
+    stored = as_plain_dict(TrainConfig(data=ImageFolderData(), task=CustomTask(_target_="m.T")))
+    torch.save({"model": {}, "config": stored}, tmp_path / "c.pt")
+    ckpt = f"checkpoint={tmp_path}/c.pt"
+    assert checkpoint_options([ckpt, "data.root=/x"]) == [
+        "data=imagefolder", "model=convnet", "task=custom",
+    ]  # fmt: skip
+    assert checkpoint_options([ckpt, "data=mnist", "+task=classification"]) == ["model=convnet"]
+    assert checkpoint_options(["data.root=/x"]) == []
+    with pytest.raises(ConfigError, match="no such file"):
+        checkpoint_options([f"checkpoint={tmp_path}/nope.pt"])

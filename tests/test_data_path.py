@@ -10,7 +10,7 @@ import torch
 from conftest import read_metrics, run_script
 from torch.utils.data import DistributedSampler
 
-from ddp_utils.config import DataConfig
+from ddp_utils.config import TorchvisionData
 from ddp_utils.data import IGNORE_LABEL, load_split
 from ddp_utils.data import builtin as data_mod
 from ddp_utils.data.builtin import ImageTensorDataset
@@ -79,7 +79,7 @@ def fake_mnist(root, labels: torch.Tensor) -> None:
 
 
 def test_cache_is_built_reused_and_rebuilt_when_the_source_changes(tmp_path, monkeypatch):
-    cfg = DataConfig(name="mnist", root=str(tmp_path), image_size=28)
+    cfg = TorchvisionData(name="mnist", root=str(tmp_path), image_size=28)
     fake_mnist(tmp_path, torch.arange(12) % 10)
     first = load_split(cfg, "train")
     assert cache_path(cfg.root, "mnist-train.pt").is_file()
@@ -101,7 +101,7 @@ def test_read_only_data_root_caches_elsewhere(tmp_path):
     fake_mnist(tmp_path, torch.arange(12) % 10)
     tmp_path.chmod(0o555)
     try:
-        cfg = DataConfig(name="mnist", root=str(tmp_path), image_size=28)
+        cfg = TorchvisionData(name="mnist", root=str(tmp_path), image_size=28)
         assert not str(cache_path(cfg.root, "mnist-train.pt")).startswith(str(tmp_path))
     finally:
         tmp_path.chmod(0o755)

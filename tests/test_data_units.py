@@ -13,7 +13,7 @@ from imagefolders import write_digits_folder
 from PIL import Image
 from torch.utils.data import DataLoader
 
-from ddp_utils.config import ConfigError, DataConfig, to_schema
+from ddp_utils.config import ConfigError, CustomData, ImageFolderData, to_schema
 from ddp_utils.data import build_data, build_eval_data
 from ddp_utils.data.imagefolder import BadImageError, ImageFolderSource, decode, load_index
 from ddp_utils.data.loaders import default_num_workers
@@ -26,10 +26,10 @@ RT = Runtime(0, 0, 1, 1, torch.device("cpu"), "gloo")
 register()
 
 
-def folder_cfg(root, **kw) -> DataConfig:
-    base = dict(name="imagefolder", root=str(root), in_channels=1, image_size=8, resize_size=8,
+def folder_cfg(root, **kw) -> ImageFolderData:
+    base = dict(root=str(root), in_channels=1, image_size=8, resize_size=8,
                 mean=[0.3], std=[0.38], num_workers=0)  # fmt: skip
-    return DataConfig(**{**base, **kw})
+    return ImageFolderData(**{**base, **kw})
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +115,8 @@ def test_unreadable_image_error_names_the_file_even_from_a_worker(folder):
 def test_augmentation_is_a_function_of_seed_epoch_and_index():
     images = torch.arange(64 * 3 * 20 * 20).remainder(256).to(torch.uint8).view(64, 3, 20, 20)
     source = list(zip(images, range(64), strict=True))
-    cfg = DataConfig(in_channels=3, image_size=12, augment=True, mean=[0.5] * 3, std=[0.5] * 3)
+    cfg = ImageFolderData(in_channels=3, image_size=12, augment=True, mean=[0.5] * 3,
+                          std=[0.5] * 3)  # fmt: skip
     ds = SeededTransform(source, train_transform(cfg), seed=7)
     assert torch.equal(ds[(3, 5)][0], ds[(3, 5)][0])
     assert ds[(3, 5)][0].shape == (3, 12, 12)
@@ -163,14 +164,14 @@ def test_plus_arguments_go_to_a_custom_target_and_are_refused_elsewhere():
 
 def test_custom_target_errors_are_one_paragraph(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "tests"))
-    base = dict(name="custom", in_channels=1, image_size=8, mean=[0.3], std=[0.38])
+    base = dict(in_channels=1, image_size=8, mean=[0.3], std=[0.38])
     with pytest.raises(ConfigError, match="data._target_=no.such.fn could not be called"):
-        build_data(DataConfig(**base, _target_="no.such.fn"), RT, seed=0)
+        build_data(CustomData(**base, _target_="no.such.fn"), RT, seed=0)
     with pytest.raises(ConfigError, match="could not be called with {'nope': 1}"):
-        build_data(DataConfig(**base, _target_="imagefolders.digits_datasets",
+        build_data(CustomData(**base, _target_="imagefolders.digits_datasets",
                               kwargs={"nope": 1}), RT, seed=0)  # fmt: skip
     loader, _, classes = build_eval_data(
-        DataConfig(**base, _target_="imagefolders.digits_datasets", kwargs={"limit": 20},
+        CustomData(**base, _target_="imagefolders.digits_datasets", kwargs={"limit": 20},
                    resize_size=8, num_workers=0), RT, seed=0,
     )  # fmt: skip
     images, labels = next(iter(loader))
@@ -179,7 +180,7 @@ def test_custom_target_errors_are_one_paragraph(monkeypatch):
 
 
 def test_recipe_transforms_join_the_training_preset_and_stay_seeded():
-    cfg = DataConfig(
+    cfg = ImageFolderData(
         in_channels=3,
         image_size=12,
         train_crop_size=10,
@@ -195,8 +196,10 @@ def test_recipe_transforms_join_the_training_preset_and_stay_seeded():
     images = torch.arange(8 * 3 * 20 * 20).remainder(256).to(torch.uint8).view(8, 3, 20, 20)
     ds = SeededTransform(list(zip(images, range(8), strict=True)), train_transform(cfg), seed=1)
     assert ds[(2, 3)][0].shape == (3, 10, 10) and torch.equal(ds[(2, 3)][0], ds[(2, 3)][0])
-    with pytest.raises(ConfigError, match="data.auto_augment, data.random_erase"):
-        build_data(DataConfig(auto_augment="ra"), RT, seed=0)  # the in-memory digits
+    # The in-memory sets are augmented on the device: their schema has no per-sample presets.
+    with pytest.raises(ConfigError, match="data.auto_augment is not a key of data=digits: it "
+                       "belongs to data=imagefolder | custom"):  # fmt: skip
+        to_schema(compose_train("+data.auto_augment=ra"))
 
 
 def _touch(path, data: bytes = b"x") -> None:
@@ -312,11 +315,11 @@ def test_images_out_of_range_are_refused_naming_them_or_skipped():
         (torch.full((8, 8), 300, dtype=torch.int32), 3),  # an int tensor beyond 8 bits
         (torch.full((8, 8), 0.25), 4),  # fine
     ]
-    cfg = DataConfig(name="custom", _target_="pkg.make", in_channels=1, image_size=8)
+    cfg = CustomData(_target_="pkg.make", in_channels=1, image_size=8)
     source = CustomSource(items, cfg, "train")
     for i, what in enumerate(["mode F", "mode I", "dtype int32"]):
         with pytest.raises(BadImageError, match=f"item {i}.*{what}.*data.skip_bad_images=true"):
             source[i]
-    skipping = CustomSource(items, DataConfig(**{**cfg.__dict__, "skip_bad_images": True}), "train")
+    skipping = CustomSource(items, CustomData(**{**cfg.__dict__, "skip_bad_images": True}), "train")
     assert [skipping[i][1] for i in range(4)] == [-101, -101, -101, 4]
     assert skipping[3][0].unique().tolist() == [64]

@@ -84,7 +84,8 @@ def test_bad_input_gives_a_clear_message_and_a_non_zero_exit(case, digits_run, t
         "no_data": (
             [
                 f"checkpoint={ckpt}",
-                "data.name=mnist",
+                "data=mnist",
+                "data.image_size=8",  # the checkpoint's model: data that fits it, but no files
                 f"data.root={tmp_path}",
                 "data.download=false",
             ],

@@ -23,6 +23,7 @@ from conftest import (
     wait_for_step_checkpoint,
 )
 
+from ddp_utils.config import options_help
 from ddp_utils.train.finite import DIVERGED_EXIT
 
 RUN = ("trainer.epochs=2", "data.batch_size=10", "trainer.ckpt_every_steps=10")
@@ -84,6 +85,9 @@ MISTAKES = {
     "trainer.epochs=abc": "trainer.epochs=abc: Value 'abc'",
     "model=resnet50x": "model=resnet50x is not an option; the options of model are: convnet",
     "model=model_schema": "model=model_schema is not an option",
+    "model=model_mlp_schema": "model=model_mlp_schema is not an option",
+    "data.train_dir=x": "data.train_dir is not a key of data=digits: it belongs to "
+    "data=imagefolder. Pick that option",
     "run_dir=FILE/run": "cannot be created or written (Not a directory)",
 }
 
@@ -113,6 +117,7 @@ def test_under_torchrun_a_mistake_and_cfg_print_once(tmp_path):
     assert proc.stdout.count("optim:") == 1
     proc = run_forked("train.py", "--help")
     assert "model: convnet, custom, mlp" in proc.stdout and "schema" not in proc.stdout
+    assert options_help() in proc.stdout  # each option's own keys
     assert "optim.lr=0.1" in proc.stdout and "--cfg job" in proc.stdout
 
 

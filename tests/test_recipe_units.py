@@ -4,6 +4,7 @@ precision=auto and callbacks, in one process."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from unittest import mock
 
 import pytest
@@ -12,7 +13,7 @@ import torchvision
 from conftest import ROOT, compose_config
 from torch.nn import functional as F
 
-from ddp_utils.config import ConfigError, DataConfig, ModelConfig, OptimConfig
+from ddp_utils.config import ConfigError, ConvNetModel, DataConfig, ModelConfig, OptimConfig
 from ddp_utils.data import IGNORE_LABEL
 from ddp_utils.models import build_model
 from ddp_utils.models.ema import EMA, ema_decay
@@ -71,18 +72,18 @@ def test_weights_load_and_a_head_of_another_class_count_is_reinitialised(tmp_pat
     data5 = DataConfig(image_size=96, num_classes=5, **RGB)
     source = build_model(cfg, data5)
     torch.save(source.state_dict(), tmp_path / "w.pt")
-    same = build_model(ModelConfig(**{**vars(cfg), "weights": str(tmp_path / "w.pt")}), data5)
+    same = build_model(replace(cfg, weights=str(tmp_path / "w.pt")), data5)
     assert all(torch.equal(v, source.state_dict()[k]) for k, v in same.state_dict().items())
     with caplog.at_level("INFO", logger="ddp_recipes"):
         other = build_model(
-            ModelConfig(**{**vars(cfg), "weights": str(tmp_path / "w.pt")}),
+            replace(cfg, weights=str(tmp_path / "w.pt")),
             DataConfig(image_size=96, num_classes=10, **RGB),
         )
     assert "re-initialised for 10 classes" in caplog.text
     assert torch.equal(other.conv1.weight, source.conv1.weight) and other.fc.out_features == 10
     mlp = compose_config("model=mlp").model
     with pytest.raises(ConfigError, match="does not match the model: missing"):
-        build_model(ModelConfig(**{**vars(mlp), "weights": str(tmp_path / "w.pt")}),
+        build_model(replace(mlp, weights=str(tmp_path / "w.pt")),
                     DataConfig())  # fmt: skip
 
 
@@ -125,7 +126,7 @@ def test_mixup_and_cutmix_targets_and_loss_by_hand(kind):
 
 
 def test_weight_decay_groups_put_norms_and_biases_where_the_keys_say():
-    model = build_model(ModelConfig(), DataConfig())  # convnet: conv, BN, linear
+    model = build_model(ConvNetModel(), DataConfig())  # conv, BN, linear
     groups = param_groups(OptimConfig(weight_decay=0.1, norm_weight_decay=0.0,
                                       bias_weight_decay=0.05), model)  # fmt: skip
     by_wd = {g["weight_decay"]: {id(p) for p in g["params"]} for g in groups}

@@ -13,7 +13,15 @@ import torch
 from conftest import compose_config
 from torch.utils.data import DistributedSampler
 
-from ddp_utils.config import ConfigError, DataConfig, ModelConfig, SchedConfig, TrainerConfig
+from ddp_utils.config import (
+    ConfigError,
+    ConvNetModel,
+    DataConfig,
+    DigitsData,
+    SchedConfig,
+    TorchvisionData,
+    TrainerConfig,
+)
 from ddp_utils.data import Preprocess, load_split
 from ddp_utils.data.preprocess import random_crop_flip
 from ddp_utils.data.samplers import EvalShardSampler
@@ -142,7 +150,7 @@ def test_models_fit_the_declared_data(name, shape):
 
 
 def test_convnet_is_the_tutorial_model():
-    model = build_model(ModelConfig(), DataConfig(image_size=28))
+    model = build_model(ConvNetModel(), DataConfig(image_size=28))
     convs = [m for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
     bns = [m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)]
     assert [(c.out_channels, c.kernel_size) for c in convs] == [(16, (5, 5)), (32, (5, 5))]
@@ -150,7 +158,7 @@ def test_convnet_is_the_tutorial_model():
 
 
 def test_digits_split_is_fixed_and_disjoint():
-    cfg = DataConfig()
+    cfg = DigitsData()
     train, val = load_split(cfg, "train"), load_split(cfg, "val")
     assert len(train) + len(val) == 1797 and len(val) == 359
     assert train.images.dtype == torch.uint8 and train.images.shape[1:] == (1, 8, 8)
@@ -161,7 +169,7 @@ def test_digits_split_is_fixed_and_disjoint():
 
 
 def test_missing_torchvision_data_names_root_and_fix(tmp_path):
-    cfg = DataConfig(name="mnist", root=str(tmp_path), image_size=28)
+    cfg = TorchvisionData(name="mnist", root=str(tmp_path), image_size=28)
     with pytest.raises(ConfigError, match="data.download=true") as e:
         load_split(cfg, "val")
     assert str(tmp_path) in str(e.value)
@@ -341,6 +349,34 @@ def test_the_divergence_message_suggests_only_what_would_change(tmp_path, precis
     assert ("trainer.precision=32" in text) == (precision != "32")
     assert ("trainer.grad_clip=1.0" in text) == (clip is None)
     assert ("a lower trainer.grad_clip (now 2)" in text) == (clip is not None)
+
+
+def test_a_checkpoint_from_before_per_option_schemas_resumes_and_evaluates():
+    """That release stored every data option's keys (and every model option's) whatever the
+    option: they are not this option's, so they are neither compared nor merged."""
+    from ddp_utils.config import TrainConfig, as_plain_dict, from_record, to_schema
+    from ddp_utils.train.resume import config_changes
+
+    stored = as_plain_dict(TrainConfig())
+    stored["data"] |= {"root": "data", "download": False, "train_dir": "train", "val_dir": "val",
+                       "resize_size": None, "interpolation": "bilinear", "skip_bad_images": False,
+                       "_target_": None, "kwargs": {}, "auto_augment": None, "random_erase": 0.0,
+                       "train_crop_size": None, "num_train": 8000, "num_val": 2000}  # fmt: skip
+    stored["model"] |= {"arch": None, "hidden": 256, "kwargs": {}}
+    stored["task"] |= {"kwargs": {}}
+    assert config_changes(stored, TrainConfig()) == ([], [])
+    assert to_schema(from_record(stored)) == TrainConfig()
+    stored["data"]["val_fraction"] = 0.3
+    assert config_changes(stored, TrainConfig())[0] == ["data.val_fraction: 0.3 -> 0.2"]
+
+
+def test_a_custom_targets_arguments_belong_to_the_runs_identity():
+    from ddp_utils.config import CustomData, TrainConfig, as_plain_dict
+    from ddp_utils.train.resume import config_changes
+
+    cfg = TrainConfig(data=CustomData(_target_="m.f", kwargs={"limit": 5}))
+    stored = as_plain_dict(TrainConfig(data=CustomData(_target_="m.f", kwargs={"limit": 6})))
+    assert config_changes(stored, cfg)[0] == ["data.kwargs.limit: 6 -> 5"]
 
 
 def test_a_checkpoint_from_before_tasks_resumes_as_classification():

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from torch import nn
 from torch.utils.data import DataLoader, Sampler
 
-from ddp_utils.config import ConfigError, DataConfig
+from ddp_utils.config import DataConfig, StreamedData
 from ddp_utils.data.builtin import ImageTensorDataset, load_split
 from ddp_utils.data.loaders import TensorLoader, worker_loader
 from ddp_utils.data.preprocess import Preprocess
@@ -32,8 +32,6 @@ __all__ = [
     "BAD_LABEL", "IGNORE_LABEL", "DataBundle", "Preprocess", "build_data", "build_eval_data",
     "load_split",
 ]  # fmt: skip
-
-STREAMED = ("imagefolder", "custom")
 
 
 @dataclass
@@ -58,19 +56,12 @@ def in_memory_loader(
 def build_data(cfg: DataConfig, rt: Runtime, seed: int, channels_last: bool = False) -> DataBundle:
     """Every rank: the training and validation loaders of ``data=...`` and their preprocessing."""
     classes = None
-    if cfg.name in STREAMED:
+    if isinstance(cfg, StreamedData):
         from ddp_utils.data.streamed import streamed_loaders  # torchvision: streamed sets only
 
         train, val, sampler, classes = streamed_loaders(cfg, rt, seed)
         augment_on_device = False  # done per sample in the workers
     else:
-        if cfg.auto_augment or cfg.random_erase or cfg.train_crop_size:
-            raise ConfigError(
-                f"data.auto_augment, data.random_erase and data.train_crop_size transform each "
-                f"sample in the loader's workers: data={cfg.name} is held in memory and "
-                "augmented on the device (data.augment). Use them with data=imagefolder or "
-                "data=custom."
-            )
         with local_main_first(rt):
             train_ds, val_ds = load_split(cfg, "train"), load_split(cfg, "val")
         sampler = ResumableDistributedSampler(len(train_ds), rt.world_size, rt.rank, seed=seed)
@@ -93,7 +84,7 @@ def build_eval_data(
     cfg: DataConfig, rt: Runtime, seed: int, channels_last: bool = False
 ) -> tuple[TensorLoader | DataLoader, nn.Module, list[str] | None]:
     """Every rank: the loader of ``data.split`` sharded exactly, its preprocessing, classes."""
-    if cfg.name in STREAMED:
+    if isinstance(cfg, StreamedData):
         from ddp_utils.data.streamed import streamed_eval_loader
 
         loader, classes = streamed_eval_loader(cfg, rt, seed)

@@ -1,8 +1,8 @@
 """Models: any ``_target_`` built with Hydra's ``instantiate``, sized from the data config.
 
 ``model._target_`` names a class or function. The builder passes ``num_classes``,
-``in_channels`` and ``image_size`` from the data config, and the built-in options' keys
-(``arch``, ``channels``, ``hidden``, ``batch_norm``), to a target whose signature takes them;
+``in_channels`` and ``image_size`` from the data config, and the option's own keys (its
+schema's: ``arch``, ``channels``, ``hidden``, ...), to a target whose signature takes them;
 ``+model.NAME=VALUE`` arguments (``model=custom``) always go to the target, which checks them.
 ``model.weights=PATH`` then loads a local state dict.
 """
@@ -17,11 +17,9 @@ from hydra.utils import instantiate
 from torch import nn
 
 from ddp_utils import targets
-from ddp_utils.config import ConfigError, DataConfig, ModelConfig
+from ddp_utils.config import ConfigError, DataConfig, ModelConfig, own_keys
 from ddp_utils.run import log
 from ddp_utils.targets import why
-
-BUILTIN_KEYS = ("arch", "channels", "hidden", "batch_norm")
 
 
 def target_arguments(
@@ -33,9 +31,9 @@ def target_arguments(
         "in_channels": data.in_channels,
         "image_size": data.image_size,
     }  # fmt: skip
-    if cfg.name != "custom":
-        offered |= {k: getattr(cfg, k) for k in BUILTIN_KEYS}
-    return targets.target_arguments("model._target_", cfg._target_, offered, cfg.kwargs)
+    given = getattr(cfg, "kwargs", {})  # model=custom's +model.NAME=VALUE
+    offered |= {k: getattr(cfg, k) for k in own_keys(type(cfg), "model") if k != "kwargs"}
+    return targets.target_arguments("model._target_", cfg._target_, offered, given)
 
 
 def build_model(cfg: ModelConfig, data: DataConfig, num_outputs: int | None = None) -> nn.Module:

@@ -13,7 +13,7 @@ import torch
 from hydra.utils import get_object
 from torch import nn
 
-from ddp_utils.config import ConfigError, DataConfig, ModelConfig
+from ddp_utils.config import ConfigError, CustomModel, DataConfig, ModelConfig
 from ddp_utils.targets import why
 
 PROBE_BATCH = 2  # BatchNorm needs more than one value per channel (it is in eval mode anyway)
@@ -43,8 +43,9 @@ def eval_mode(model: nn.Module) -> Iterator[None]:
 def describe(cfg: ModelConfig) -> str:
     """The model option; for ``model=custom`` its target with the constructor's parameters
     (so a class count under another name, ``n_out``, say, is visible) and what it was given."""
-    if cfg.name != "custom":
-        return f"model={cfg.name}" + (f" model.arch={cfg.arch}" if cfg.arch else "")
+    if not isinstance(cfg, CustomModel):
+        arch = getattr(cfg, "arch", None)
+        return f"model={cfg.name}" + (f" model.arch={arch}" if arch else "")
     try:
         params = inspect.signature(get_object(cfg._target_)).parameters.values()
         signature = ", ".join(

@@ -51,7 +51,7 @@ def build_task(cfg: TrainConfig) -> Task:
 
         offered |= {"label_smoothing": cfg.trainer.label_smoothing,
                     "mixing": build_mixing(cfg.data)}  # fmt: skip
-    args = target_arguments("task._target_", t._target_, offered, t.kwargs)
+    args = target_arguments("task._target_", t._target_, offered, getattr(t, "kwargs", {}))
     try:
         task = instantiate({"_target_": t._target_, "_convert_": "all"}, **args)
     except InstantiationException as e:

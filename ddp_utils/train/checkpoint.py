@@ -102,8 +102,9 @@ def _blocked_global(e: BaseException) -> str:
     return _summary(e)
 
 
-def load_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Load with ``weights_only=True``; a missing, corrupt or unsafe file raises ConfigError."""
+def load_checkpoint(path: str | Path, mmap: bool = False) -> dict[str, Any]:
+    """Load with ``weights_only=True``; a missing, corrupt or unsafe file raises ConfigError.
+    ``mmap``: map the tensors instead of reading them (to look at the config alone)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(
@@ -111,7 +112,7 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
             "(e.g. outputs/<run>/checkpoints/best.pt)."
         )
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         if "Weights only load failed" in str(e):
             # Never retried with weights_only=False: that would run whatever the file holds.

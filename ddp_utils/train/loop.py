@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddp_utils.config import TrainConfig
+from ddp_utils.config import TrainConfig, skips_bad_images
 from ddp_utils.data import BAD_LABEL, IGNORE_LABEL
 from ddp_utils.dist import Runtime, all_reduce_sum, broadcast_buffers
 from ddp_utils.metrics import evaluate, scalars
@@ -61,7 +61,7 @@ def train_step(tr: Training, images: torch.Tensor, labels: torch.Tensor, scale: 
     """Forward, loss, backward of one micro-batch; the loss is summed into ``epoch_totals``."""
     images = tr.data.preprocess_train(images.to(tr.rt.device, non_blocking=True))
     labels = labels.to(tr.rt.device, non_blocking=True)
-    if tr.cfg.data.skip_bad_images:  # an unreadable image, skipped: counted apart, ignored
+    if skips_bad_images(tr.cfg.data):  # an unreadable image, skipped: counted apart, ignored
         tr.epoch_totals[2] += (labels == BAD_LABEL).sum()
         labels = torch.where(labels == BAD_LABEL, IGNORE_LABEL, labels)
     # Padding duplicates carry an ignored label: the task sums over real samples only.
@@ -108,7 +108,7 @@ def train_one_epoch(tr: Training) -> dict[str, float]:
     totals = all_reduce_sum(tr.epoch_totals.clone()).tolist()
     elapsed = time.perf_counter() - start
     stats = {"train/loss": totals[0] / max(totals[1], 1), "samples_per_s": totals[1] / elapsed}
-    if tr.cfg.data.skip_bad_images:
+    if skips_bad_images(tr.cfg.data):
         stats["train/skipped_images"] = int(totals[2])
     return stats
 
@@ -154,10 +154,10 @@ def validate(tr: Training, model: nn.Module, prefix: str) -> dict[str, Any]:
     """``prefix/NAME`` of every scalar metric (``accuracy``, ``loss``, ...) of ``model`` on the
     validation set; the full result (vectors too) goes to ``tr.validation[prefix]``."""
     val = evaluate(model, tr.data.val, tr.data.preprocess_eval, tr.rt, tr.task, tr.metrics,
-                   tr.amp, tr.watchdog, skip_bad=tr.cfg.data.skip_bad_images)  # fmt: skip
+                   tr.amp, tr.watchdog, skip_bad=skips_bad_images(tr.cfg.data))  # fmt: skip
     tr.validation[prefix] = val
     numbers = scalars(val)
-    if not tr.cfg.data.skip_bad_images:
+    if not skips_bad_images(tr.cfg.data):
         numbers.pop("skipped_images")
     return {f"{prefix}/{k}": v for k, v in numbers.items()}
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from ddp_utils.config import ConfigError, TrainConfig, as_plain_dict
+from ddp_utils.config import ConfigError, TrainConfig, as_plain_dict, option_defaults
 from ddp_utils.data.classes import class_difference
 from ddp_utils.dist import Runtime, all_reduce_sum, broadcast_object
 from ddp_utils.optim import build_scheduler
@@ -89,23 +89,41 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _is_identity(key: str) -> bool:
+    return any(key == k or key.startswith(k if k.endswith(".") else f"{k}.") for k in IDENTITY_KEYS)
+
+
 def config_changes(stored: dict[str, Any], cfg: TrainConfig) -> tuple[list[str], list[str]]:
     """(refused, allowed) changes between a checkpoint's config and this run's, as 'key: a -> b'.
 
     A key the checkpoint's release did not have yet (``task.*`` before tasks existed) counts
-    as its default then: what that release did."""
-    new = _flatten(as_plain_dict(cfg))
-    old = _flatten(as_plain_dict(TrainConfig())) | _flatten(stored)
+    as its default then: what that release did. A key this run's option has no longer (older
+    releases stored every data option's keys) is not compared."""
+    plain = as_plain_dict(cfg)
+    new = _flatten(plain)
+    base = as_plain_dict(TrainConfig())  # a group the checkpoint lacks had its default option
+    record = {g: stored.get(g, base[g]) for g in base} | stored
+    old = _flatten(as_plain_dict(option_defaults(cfg))) | _flatten(record)
+    old = {k: v for k, v in old.items() if _field_of(k, plain)}
     refused, allowed = [], []
     for key in sorted(old.keys() | new.keys()):
         if key == "resume" or old.get(key) == new.get(key):
             continue
         change = f"{key}: {old.get(key)!r} -> {new.get(key)!r}"
-        is_identity = any(
-            key == k or (k.endswith(".") and key.startswith(k)) for k in IDENTITY_KEYS
-        )
+        is_identity = _is_identity(key)
         (refused if is_identity else allowed).append(change)
     return refused, allowed
+
+
+def _field_of(key: str, cfg: dict[str, Any]) -> bool:
+    """Whether ``key``'s group and field (``data.kwargs`` of ``data.kwargs.limit``) are in
+    ``cfg``."""
+    node: Any = cfg
+    for part in key.split(".")[:2]:
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
 
 
 def pick_checkpoint(resume_from: str, run_dir: Path) -> tuple[Path, dict[str, Any]] | None:

@@ -1,0 +1,46 @@
+"""Typed configuration: dataclass schemas registered in Hydra's ConfigStore.
+
+``schema`` holds the whole run's (TrainConfig, EvalConfig) and its validation; ``data``,
+``model`` and ``task`` each hold their group's base schema and one per option; ``options``
+maps an option to its schema; ``errors`` holds ConfigError.
+"""
+
+from ddp_utils.config.data import (
+    CustomData,
+    DataConfig,
+    DigitsData,
+    ImageFolderData,
+    StreamedData,
+    SyntheticData,
+    TorchvisionData,
+    skips_bad_images,
+)
+from ddp_utils.config.errors import ConfigError, whole_sentences
+from ddp_utils.config.model import ConvNetModel, CustomModel, MLPModel, ModelConfig, ZooModel
+from ddp_utils.config.options import option_schema, options_help, own_keys
+from ddp_utils.config.schema import (
+    EvalConfig,
+    OptimConfig,
+    SchedConfig,
+    TrainConfig,
+    TrainerConfig,
+    as_plain_dict,
+    collect_target_kwargs,
+    from_record,
+    option_defaults,
+    register_configs,
+    to_schema,
+    unknown_keys,
+    validate,
+)
+from ddp_utils.config.task import CustomTask, TaskConfig
+
+__all__ = [
+    "ConfigError", "ConvNetModel", "CustomData", "CustomModel", "CustomTask", "DataConfig",
+    "DigitsData", "EvalConfig", "ImageFolderData", "MLPModel", "ModelConfig", "OptimConfig",
+    "SchedConfig", "StreamedData", "SyntheticData", "TaskConfig", "TorchvisionData",
+    "TrainConfig", "TrainerConfig", "ZooModel", "as_plain_dict", "collect_target_kwargs",
+    "from_record", "option_defaults", "option_schema", "options_help", "own_keys",
+    "register_configs", "skips_bad_images", "to_schema", "unknown_keys", "validate",
+    "whole_sentences",
+]  # fmt: skip

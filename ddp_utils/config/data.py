@@ -1,0 +1,179 @@
+"""The ``data`` group's schemas: the keys every option has, then each option's own.
+
+Each ``conf/data/<option>.yaml`` starts from its schema (``DATA_OPTIONS``), so a key of
+another option (``data=digits data.train_dir=x``) is refused at composition, by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ddp_utils.config.errors import ConfigError, check_choice, check_fraction, check_positive
+
+SPLITS = ("train", "val")
+LOADERS = ("auto", "tensor", "torch")
+INTERPOLATIONS = ("nearest", "bilinear", "bicubic")
+AUTO_AUGMENTS = ("ta_wide", "ra", "augmix")
+
+
+@dataclass
+class DataConfig:
+    """Every data option's keys: batching, loading, and what the model is sized for."""
+
+    name: str = "digits"  # the option's name: digits | mnist | imagefolder | ...
+    batch_size: int = 100  # per process
+    # DataLoader worker processes per rank; null = the node's cores / local ranks, less one.
+    num_workers: int | None = None
+    prefetch_factor: int = 2  # batches each worker prepares ahead
+    # auto (tensor for the in-memory sets, DataLoader workers for the streamed ones) |
+    # tensor (batches indexed on the device) | torch (DataLoader)
+    loader: str = "auto"
+    split: str = "val"  # which split eval.py scores
+    # What the model is sized for; each data config declares its own.
+    in_channels: int = 1
+    image_size: int = 8
+    num_classes: int = 10
+    mean: list[float] = field(default_factory=lambda: [0.5])
+    std: list[float] = field(default_factory=lambda: [0.5])
+    # In-memory sets: random crop with padding and flip on the device; streamed sets:
+    # RandomResizedCrop + horizontal flip per sample
+    augment: bool = False
+    # MixUp / CutMix on the device batch (task=classification, any data option)
+    mixup_alpha: float = 0.0
+    cutmix_alpha: float = 0.0
+
+    def check(self) -> None:
+        """Value ranges the types cannot express; ConfigError naming the key."""
+        check_choice("data.split", self.split, SPLITS)
+        check_choice("data.loader", self.loader, LOADERS)
+        for key in ("batch_size", "in_channels", "image_size", "num_classes"):
+            check_positive(f"data.{key}", getattr(self, key))
+        for key in ("num_workers", "prefetch_factor", "mixup_alpha", "cutmix_alpha"):
+            check_positive(f"data.{key}", getattr(self, key), allow_zero=True)
+        if len(self.mean) != self.in_channels or len(self.std) != self.in_channels:
+            raise ConfigError(
+                f"data.mean and data.std need one value per channel (data.in_channels="
+                f"{self.in_channels}); got {len(self.mean)} and {len(self.std)}."
+            )
+
+
+@dataclass
+class DigitsData(DataConfig):
+    """data=digits: scikit-learn's bundled 8x8 digits, split in memory."""
+
+    val_fraction: float = 0.2  # share held out for validation
+    split_seed: int = 0  # fixed split, independent of the training seed
+    # Which held-out slice is the validation set: slice k of val_fraction of a split_seed
+    # permutation (null = 0); the rest is the training set
+    val_slice: int | None = None
+
+    def check(self) -> None:
+        super().check()
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ConfigError(
+                f"data.val_fraction={self.val_fraction} must lie strictly between 0 and 1."
+            )
+        check_positive("data.val_slice", self.val_slice, allow_zero=True)
+
+
+@dataclass
+class TorchvisionData(DataConfig):
+    """data=mnist | fashion_mnist | cifar10: torchvision's files under data.root, decoded
+    once into memory."""
+
+    name: str = "mnist"
+    root: str = "data"
+    download: bool = False
+    # null = the official test set; k = slice k (of the test set's size) of the pooled
+    # train + test images, permuted by split_seed, the rest being the training set
+    val_slice: int | None = None
+    split_seed: int = 0
+
+    def check(self) -> None:
+        super().check()
+        check_positive("data.val_slice", self.val_slice, allow_zero=True)
+
+
+@dataclass
+class SyntheticData(DataConfig):
+    """data=synthetic: random images and labels of the declared shape."""
+
+    name: str = "synthetic"
+    num_train: int = 8000
+    num_val: int = 2000
+
+    def check(self) -> None:
+        super().check()
+        check_positive("data.num_train", self.num_train)
+        check_positive("data.num_val", self.num_val)
+
+
+@dataclass
+class StreamedData(DataConfig):
+    """What the streamed options share: images decoded and transformed per sample in the
+    loader's workers (the classification references' presets)."""
+
+    resize_size: int | None = None  # evaluation Resize; null = round(image_size / 0.875)
+    interpolation: str = "bilinear"  # nearest | bilinear | bicubic
+    skip_bad_images: bool = False  # skip unreadable images with a warning, count them
+    auto_augment: str | None = None  # ta_wide | ra | augmix
+    random_erase: float = 0.0  # probability
+    train_crop_size: int | None = None  # training crop; null = image_size
+
+    def check(self) -> None:
+        super().check()
+        check_choice("data.interpolation", self.interpolation, INTERPOLATIONS)
+        if self.auto_augment is not None:
+            check_choice("data.auto_augment", self.auto_augment, AUTO_AUGMENTS)
+        check_fraction("data.random_erase", self.random_erase)
+        check_positive("data.resize_size", self.resize_size)
+        check_positive("data.train_crop_size", self.train_crop_size)
+        if self.in_channels not in (1, 3):
+            raise ConfigError(
+                f"data.in_channels={self.in_channels}: images are read as grey (1) or RGB (3); "
+                "set data.in_channels=1 or 3."
+            )
+
+
+@dataclass
+class ImageFolderData(StreamedData):
+    """data=imagefolder: data.root/<train_dir>/<class>/*, data.root/<val_dir>/<class>/*."""
+
+    name: str = "imagefolder"
+    root: str = "data"
+    train_dir: str = "train"
+    val_dir: str = "val"
+
+
+@dataclass
+class CustomData(StreamedData):
+    """data=custom: a callable of yours that returns (train, val) data sets."""
+
+    name: str = "custom"
+    _target_: str | None = None  # pkg.module.fn
+    kwargs: dict[str, Any] = field(default_factory=dict)  # +data.NAME=VALUE
+
+    def check(self) -> None:
+        if not self._target_:
+            raise ConfigError(
+                "data=custom needs data._target_=pkg.module.fn: a callable that returns (train, "
+                "val) data sets; pass its arguments as +data.NAME=VALUE."
+            )
+        super().check()
+
+
+DATA_OPTIONS: dict[str, type[DataConfig]] = {
+    "digits": DigitsData,
+    "mnist": TorchvisionData,
+    "fashion_mnist": TorchvisionData,
+    "cifar10": TorchvisionData,
+    "synthetic": SyntheticData,
+    "imagefolder": ImageFolderData,
+    "custom": CustomData,
+}
+
+
+def skips_bad_images(cfg: DataConfig) -> bool:
+    """``data.skip_bad_images`` of the streamed options (the others cannot meet a bad file)."""
+    return isinstance(cfg, StreamedData) and cfg.skip_bad_images

@@ -1,0 +1,93 @@
+"""The ``model`` group's schemas: the keys every option has, then each option's own.
+
+The builder offers an option's own keys (``channels``, ``hidden``, ``arch``, ...) to its
+``_target_`` where the target's signature takes them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ddp_utils.config.errors import ConfigError, check_positive
+
+DEFAULT_MODEL = "ddp_utils.models.nets.ConvNet"
+
+
+@dataclass
+class ModelConfig:
+    """Every model option's keys."""
+
+    # What builds the model (a class or function, built with hydra.utils.instantiate); it is
+    # given num_classes, in_channels and image_size, and the option's own keys, where it
+    # takes them.
+    _target_: str = DEFAULT_MODEL
+    name: str = "convnet"  # the option's name: convnet | mlp | resnet18 | torchvision | ...
+    weights: str | None = None  # a local state dict to start from
+
+    def check(self) -> None:
+        """Value ranges the types cannot express; ConfigError naming the key."""
+
+
+@dataclass
+class ConvNetModel(ModelConfig):
+    """model=convnet: the tutorial's conv blocks and a linear head."""
+
+    channels: list[int] = field(default_factory=lambda: [16, 32])  # one conv block each
+    batch_norm: bool = True  # off gives a model whose DDP math is BN-free
+
+    def check(self) -> None:
+        if not self.channels or any(c < 1 for c in self.channels):
+            raise ConfigError(f"model.channels={self.channels} needs positive channel counts.")
+
+
+@dataclass
+class MLPModel(ModelConfig):
+    """model=mlp: Linear-ReLU-Linear."""
+
+    _target_: str = "ddp_utils.models.nets.MLP"
+    name: str = "mlp"
+    hidden: int = 256
+
+    def check(self) -> None:
+        check_positive("model.hidden", self.hidden)
+
+
+@dataclass
+class ZooModel(ModelConfig):
+    """model=resnet18 | torchvision | timm: a model of that zoo by name."""
+
+    _target_: str = "ddp_utils.models.zoo.torchvision_model"
+    name: str = "torchvision"
+    arch: str | None = None  # the model's name in the zoo
+
+    def check(self) -> None:
+        if not self.arch:
+            raise ConfigError(
+                f"model={self.name} needs model.arch=NAME (a model name of {self.name})."
+            )
+
+
+@dataclass
+class CustomModel(ModelConfig):
+    """model=custom: your nn.Module (or a function returning one)."""
+
+    name: str = "custom"
+    kwargs: dict[str, Any] = field(default_factory=dict)  # +model.NAME=VALUE
+
+    def check(self) -> None:
+        if self._target_ == DEFAULT_MODEL:
+            raise ConfigError(
+                "model=custom needs model._target_=pkg.module.Class (a torch.nn.Module, or a "
+                "function returning one); pass its arguments as +model.NAME=VALUE."
+            )
+
+
+MODEL_OPTIONS: dict[str, type[ModelConfig]] = {
+    "convnet": ConvNetModel,
+    "mlp": MLPModel,
+    "resnet18": ZooModel,
+    "torchvision": ZooModel,
+    "timm": ZooModel,
+    "custom": CustomModel,
+}

@@ -1,0 +1,279 @@
+"""The whole run's schema (TrainConfig, EvalConfig), its validation, and the step from a
+composed DictConfig to the validated dataclass object.
+
+Hydra merges the YAML in ``conf/`` onto these schemas, so an unknown key or a value of the
+wrong type fails at composition, naming the key. The data, model and task options each have
+a schema of their own (``ddp_utils.config.options``). Values of the right type but outside
+their range are checked by ``validate`` and raise ``ConfigError`` (a ``ValueError``) naming
+the key and the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from ddp_utils.config.data import DataConfig, DigitsData
+from ddp_utils.config.errors import ConfigError, check_choice, check_fraction, check_positive
+from ddp_utils.config.model import ConvNetModel, ModelConfig
+from ddp_utils.config.options import (
+    ARGUMENTS,
+    GROUPS,
+    keys_of,
+    not_a_key,
+    option_schema,
+    options_help,
+    store_name,
+)
+from ddp_utils.config.task import TaskConfig
+
+OPTIMIZERS = ("sgd", "adamw")
+SCHEDULERS = ("none", "cosine", "step", "onecycle")
+PRECISIONS = ("auto", "32", "bf16", "fp16")
+DEVICES = ("auto", "cpu", "cuda")
+BACKENDS = ("auto", "nccl", "gloo")
+LOGGERS = ("tensorboard", "none")
+PROGRESS = ("auto", "true", "false")
+
+
+@dataclass
+class OptimConfig:
+    name: str = "sgd"
+    lr: float = 0.1
+    momentum: float = 0.9
+    nesterov: bool = False
+    weight_decay: float = 0.0
+    norm_weight_decay: float | None = None  # normalisation layers; null = weight_decay
+    bias_weight_decay: float | None = None  # biases; null = weight_decay
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+
+
+@dataclass
+class SchedConfig:
+    name: str = "onecycle"
+    warmup_steps: int = 0  # linear warmup from warmup_start_factor * lr
+    warmup_epochs: int = 0  # the same in epochs (one of the two)
+    warmup_start_factor: float = 0.1
+    min_lr: float = 0.0  # cosine
+    step_epochs: int = 10  # step: decay every this many epochs
+    gamma: float = 0.1  # step
+    pct_start: float = 0.3  # onecycle
+
+
+@dataclass
+class TrainerConfig:
+    epochs: int = 10
+    max_steps: int | None = None  # optimizer steps; null = no cap
+    precision: str = "auto"  # auto: bf16 where the hardware computes it natively, else 32
+    sync_bn: bool = False
+    grad_accum_steps: int = 1
+    grad_clip: float | None = None  # max global grad norm; null = off
+    compile: bool = False
+    device: str = "auto"
+    backend: str = "auto"
+    timeout_s: float = 300.0  # process-group init and collective timeout
+    log_every_steps: int = 50
+    channels_last: bool = True  # NHWC activations: faster convolutions on CPU and GPU
+    bucket_cap_mb: float = 25.0  # DDP gradient bucket size
+    gradient_as_bucket_view: bool = True  # gradients alias DDP's buckets: one copy less
+    static_graph: bool = False  # DDP: the graph is the same every step
+    progress: str = "auto"  # auto (a bar when stderr is a terminal) | true | false
+    ckpt_every_steps: int | None = None  # step checkpoints; null = only at epoch ends
+    keep_last: int = 2  # newest step checkpoints kept (best.pt and last.pt besides)
+    label_smoothing: float = 0.0
+    ema_decay: float | None = None  # EMA of the weights (references' adjustment); null = off
+    ema_every_steps: int = 32
+    save_best_ema: bool = False  # also keep best_ema.pt, by val_ema/accuracy
+
+
+@dataclass
+class TrainConfig:
+    # Typed by each group's base; the chosen option's schema is merged in at composition.
+    model: ModelConfig = field(default_factory=ConvNetModel)
+    data: DataConfig = field(default_factory=DigitsData)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    sched: SchedConfig = field(default_factory=SchedConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    seed: int = 0
+    run_dir: str | None = None  # null = outputs/<date>_<torchrun run id>
+    resume: str = "auto"  # auto | never | PATH of a checkpoint
+    logger: str = "tensorboard"  # tensorboard (run_dir/tb) | none
+    # Optional behaviour hung on the loop: a list of {_target_: pkg.Class, ARG: VALUE}
+    callbacks: list[Any] = field(default_factory=list)
+
+
+@dataclass
+class EvalConfig(TrainConfig):
+    checkpoint: str = "???"
+    output: str | None = None  # null = <run dir of the checkpoint>/eval.json
+    ema: bool = False  # score the checkpoint's EMA weights (model_ema)
+
+
+def _open_groups(schema: type) -> Any:
+    """``schema`` with each option group typed by its base, so that any option's schema
+    (a subclass) can be merged in; OmegaConf refuses to merge one subclass onto another."""
+    return schema(**{group: base() for group, (base, _) in GROUPS.items()})
+
+
+def register_configs() -> None:
+    """The schemas of train.yaml and eval.yaml (their first defaults), and one per option of
+    data, model and task, stored outside any group: none shows as an option in ``--help``,
+    whose ``${ddp_option_keys:}`` lists each option's keys instead."""
+    cs = ConfigStore.instance()
+    cs.store(name="train_schema", node=_open_groups(TrainConfig))
+    cs.store(name="eval_schema", node=_open_groups(EvalConfig))
+    for group, (_, options) in GROUPS.items():
+        for option, schema in options.items():
+            cs.store(name=store_name(group, option), node=schema)
+    OmegaConf.register_new_resolver("ddp_option_keys", options_help, replace=True)
+
+
+def validate(cfg: TrainConfig) -> TrainConfig:
+    """Check value ranges the schema's types cannot express; raise ConfigError naming the key."""
+    for group, (_, options) in GROUPS.items():
+        node = getattr(cfg, group)
+        if group != "model":  # the code dispatches on these names; a model is its _target_
+            check_choice(f"{group}.name", node.name, tuple(options))
+        expected = option_schema(group, node.name)
+        if not isinstance(node, expected):
+            raise ConfigError(
+                f"{group}.name={node.name} names another option than the one composed "
+                f"({type(node).__name__}): choose it as {group}={node.name}, not {group}.name."
+            )
+        node.check()
+    check_run(cfg)
+    if cfg.model.name == "convnet" and cfg.data.image_size < 4:
+        raise ConfigError(
+            f"model=convnet pools twice: data.image_size={cfg.data.image_size} must be >= 4."
+        )
+    return cfg
+
+
+def check_run(cfg: TrainConfig) -> None:
+    """The groups without options of their own schema: optim, sched, trainer, the top level."""
+    o, s, t = cfg.optim, cfg.sched, cfg.trainer
+    check_choice("optim.name", o.name, OPTIMIZERS)
+    check_choice("sched.name", s.name, SCHEDULERS)
+    check_choice("trainer.precision", t.precision, PRECISIONS)
+    check_choice("trainer.device", t.device, DEVICES)
+    check_choice("trainer.backend", t.backend, BACKENDS)
+    check_choice("logger", cfg.logger, LOGGERS)
+    t.progress = t.progress.lower()  # `trainer.progress=true` arrives as "True"
+    check_choice("trainer.progress", t.progress, PROGRESS)
+    for key, value in (
+        ("optim.lr", o.lr),
+        ("trainer.epochs", t.epochs),
+        ("trainer.max_steps", t.max_steps),
+        ("trainer.grad_accum_steps", t.grad_accum_steps),
+        ("trainer.grad_clip", t.grad_clip),
+        ("trainer.timeout_s", t.timeout_s),
+        ("trainer.log_every_steps", t.log_every_steps),
+        ("trainer.ckpt_every_steps", t.ckpt_every_steps),
+        ("trainer.keep_last", t.keep_last),
+        ("trainer.bucket_cap_mb", t.bucket_cap_mb),
+        ("sched.step_epochs", s.step_epochs),
+        ("trainer.ema_every_steps", t.ema_every_steps),
+    ):
+        check_positive(key, value)
+    for key, value in (
+        ("optim.weight_decay", o.weight_decay),
+        ("optim.momentum", o.momentum),
+        ("sched.warmup_steps", s.warmup_steps),
+        ("sched.min_lr", s.min_lr),
+        ("sched.warmup_epochs", s.warmup_epochs),
+        ("optim.norm_weight_decay", o.norm_weight_decay),
+        ("optim.bias_weight_decay", o.bias_weight_decay),
+    ):
+        check_positive(key, value, allow_zero=True)
+    check_fraction("trainer.label_smoothing", t.label_smoothing)
+    if t.ema_decay is not None and not 0.0 < t.ema_decay < 1.0:
+        raise ConfigError(
+            f"trainer.ema_decay={t.ema_decay} must lie in (0, 1); null turns EMA off."
+        )
+    if s.warmup_steps and s.warmup_epochs:
+        raise ConfigError(
+            "sched.warmup_steps and sched.warmup_epochs are both set: keep one, set the other to 0."
+        )
+    if s.name == "onecycle" and (s.warmup_steps or s.warmup_epochs):
+        raise ConfigError(
+            "sched=onecycle warms up by itself (sched.pct_start): set sched.warmup_steps=0 and "
+            "sched.warmup_epochs=0."
+        )
+    if not 0.0 < s.warmup_start_factor <= 1.0:
+        raise ConfigError("sched.warmup_start_factor must lie in (0, 1].")
+
+
+def collect_target_kwargs(cfg: DictConfig, schema: type = TrainConfig) -> None:
+    """Move keys that ``+GROUP.NAME=VALUE`` added to a custom option (data, model, task) into
+    its ``kwargs`` (the target's arguments). Anywhere else a key the schema lacks is a
+    mistake (OmegaConf would drop it in silence)."""
+    for group in GROUPS:
+        node = cfg.get(group)
+        if not isinstance(node, DictConfig):
+            continue
+        own = keys_of(OmegaConf.get_type(node))
+        extra = [k for k in node if k not in own]
+        if extra and ARGUMENTS in own:
+            with open_dict(node):
+                for key in extra:
+                    node[ARGUMENTS][key] = node.pop(key)
+    unknown = unknown_keys(cfg, schema)
+    if unknown:
+        group, _, key = unknown[0].partition(".")
+        if key and group in GROUPS:
+            raise ConfigError(not_a_key(group, cfg[group].get("name"), key))
+        raise ConfigError(
+            f"{unknown[0]} is not a key of this config; check its spelling (python train.py "
+            "--cfg job lists every key)."
+        )
+
+
+def unknown_keys(node: DictConfig, schema: type, prefix: str = "") -> list[str]:
+    """Keys of ``node`` that the dataclass ``schema`` (and the dataclasses of its nodes) lack."""
+    names = {f.name for f in fields(schema)}
+    found = []
+    for key in node:
+        if key not in names:
+            found.append(f"{prefix}{key}")
+            continue
+        value = node.get(key)
+        if isinstance(value, DictConfig) and is_dataclass(sub := OmegaConf.get_type(value)):
+            found += unknown_keys(value, sub, f"{prefix}{key}.")
+    return found
+
+
+def as_plain_dict(cfg: Any) -> dict[str, Any]:
+    """A config object as plain, resolved containers (what checkpoints store). Not cheap (tens
+    of milliseconds): a run converts its config once."""
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+
+
+def option_defaults(cfg: TrainConfig) -> TrainConfig:
+    """The defaults of ``cfg``'s options: what a key a record lacks meant when it was written."""
+    return TrainConfig(**{group: type(getattr(cfg, group))() for group in GROUPS})
+
+
+def from_record(stored: dict[str, Any]) -> DictConfig:
+    """A stored config (a checkpoint's) on the schemas of its own options. Keys an option's
+    schema lacks are dropped: releases before per-option schemas stored every option's keys."""
+    record, parts = dict(stored), {}
+    for group in GROUPS:
+        node = stored.get(group)
+        if node is None:  # a release before this group existed: its default
+            continue
+        schema = option_schema(group, node.get("name"))
+        parts[group] = schema()
+        record[group] = {k: v for k, v in node.items() if k in keys_of(schema)}
+    return OmegaConf.merge(OmegaConf.structured(TrainConfig(**parts)), record)
+
+
+def to_schema(cfg: DictConfig, schema: type = TrainConfig) -> Any:
+    """Turn a composed DictConfig into its validated dataclass object."""
+    collect_target_kwargs(cfg, schema)
+    obj = OmegaConf.to_object(cfg)
+    assert isinstance(obj, schema), f"config did not compose onto {schema.__name__}"
+    return validate(obj)

@@ -1,0 +1,53 @@
+"""The ``task`` group's schemas: the keys every task has, then each option's own."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ddp_utils.config.errors import ConfigError, check_choice
+
+MONITOR_MODES = ("max", "min")
+DEFAULT_TASK = "ddp_utils.tasks.classification.Classification"
+
+
+@dataclass
+class TaskConfig:
+    """Every task option's keys; task=classification has no others."""
+
+    # What builds the task (a ddp_utils.tasks.Task subclass, with hydra.utils.instantiate); it
+    # is given num_classes, in_channels and image_size where its signature takes them.
+    _target_: str = DEFAULT_TASK
+    name: str = "classification"  # the option's name: classification | custom
+    # The metric that picks best.pt (val/<monitor>; "loss" is the validation loss), and
+    # whether larger (max) or smaller (min) is better.
+    monitor: str = "accuracy"
+    monitor_mode: str = "max"
+    # Metrics on top of the task's defaults: NAME -> {_target_: a torchmetrics.Metric, ARG:
+    # VALUE}; NAME: null drops a default. Logged as val/NAME (scalars) and in eval.json.
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+    def check(self) -> None:
+        """Value ranges the types cannot express; ConfigError naming the key."""
+        check_choice("task.monitor_mode", self.monitor_mode, MONITOR_MODES)
+
+
+@dataclass
+class CustomTask(TaskConfig):
+    """task=custom: your ddp_utils.tasks.Task subclass."""
+
+    name: str = "custom"
+    monitor: str = "loss"
+    monitor_mode: str = "min"
+    kwargs: dict[str, Any] = field(default_factory=dict)  # +task.NAME=VALUE
+
+    def check(self) -> None:
+        super().check()
+        if self._target_ == DEFAULT_TASK:
+            raise ConfigError(
+                "task=custom needs task._target_=pkg.module.MyTask (a ddp_utils.tasks.Task "
+                "subclass); pass its arguments as +task.NAME=VALUE."
+            )
+
+
+TASK_OPTIONS: dict[str, type[TaskConfig]] = {"classification": TaskConfig, "custom": CustomTask}
