@@ -33,9 +33,9 @@ from ddp_utils.dist import read_launch_env
 from ddp_utils.run import run_tag
 
 log = logging.getLogger(__name__)
-SUMMARY_KEYS = (
-    "world_size", "epoch", "step", "train/loss", "val/loss", "val/accuracy", "val/f1_macro",
-)  # fmt: skip
+# A job's final numbers in the summary: these, then every val/ scalar its task logged.
+SUMMARY_KEYS = ("world_size", "epoch", "step", "train/loss")
+DEFAULT_MONITOR = "val/accuracy"  # job.json files from before tasks name none
 # Resolved once per process: a launcher re-resolves the sweep directory for every job.
 _STARTED = time.strftime("%Y-%m-%d_%H-%M-%S")
 _running_sweep: Path | None = None  # set on every rank when this process starts a sweep
@@ -74,7 +74,7 @@ def final_metrics(job_dir: Path) -> dict[str, Any]:
     path = job_dir / "metrics.jsonl"
     lines = path.read_text().splitlines() if path.exists() else []
     last = json.loads(lines[-1]) if lines else {}
-    return {k: last[k] for k in SUMMARY_KEYS if k in last}
+    return {k: v for k, v in last.items() if k in SUMMARY_KEYS or k.startswith("val/")}
 
 
 def write_summary(sweep_dir: Path) -> list[dict[str, Any]]:
@@ -84,7 +84,8 @@ def write_summary(sweep_dir: Path) -> list[dict[str, Any]]:
         job = json.loads(job_file.read_text())
         rows.append({**job, **final_metrics(job_file.parent)})
     (sweep_dir / "summary.json").write_text(json.dumps(rows, indent=2))
-    columns = ["job", "overrides", "status", *SUMMARY_KEYS, "error"]
+    scores = dict.fromkeys(k for r in rows for k in r if k.startswith("val/"))
+    columns = ["job", "overrides", "status", *SUMMARY_KEYS, *scores, "monitor", "error"]
     with open(sweep_dir / "summary.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
         writer.writeheader()
@@ -93,13 +94,19 @@ def write_summary(sweep_dir: Path) -> list[dict[str, Any]]:
 
 
 def format_summary(rows: list[dict[str, Any]]) -> str:
-    lines = [f"{'job':>4}  {'status':<9} {'val/accuracy':>12} {'train/loss':>10}  overrides"]
+    """One line a job: its status, the metric that picks its best.pt, its training loss."""
+    monitors = {r.get("monitor", DEFAULT_MONITOR) for r in rows}
+    head = monitors.pop() if len(monitors) == 1 else "monitor"
+    width = max(12, len(head))
+    lines = [f"{'job':>4}  {'status':<9} {head:>{width}} {'train/loss':>10}  overrides"]
     for r in rows:
-        acc = f"{r['val/accuracy']:.4f}" if "val/accuracy" in r else "-"
+        monitor = r.get("monitor", DEFAULT_MONITOR)
+        score = f"{r[monitor]:.4f}" if monitor in r else "-"
+        if head == "monitor" and monitor in r:
+            score = f"{monitor.removeprefix('val/')} {score}"
         loss = f"{r['train/loss']:.4f}" if "train/loss" in r else "-"
-        lines.append(
-            f"{r['job']:>4}  {r['status']:<9} {acc:>12} {loss:>10}  {' '.join(r['overrides'])}"
-        )
+        overrides = " ".join(r["overrides"])
+        lines.append(f"{r['job']:>4}  {r['status']:<9} {score:>{width}} {loss:>10}  {overrides}")
     return "\n".join(lines)
 
 
@@ -120,6 +127,7 @@ class SweepSummary(Callback):
             "job": int(config.hydra.job.num),
             "overrides": list(filter_overrides(job_return.overrides or [])),
             "status": "FAILED" if failed else "COMPLETED",
+            "monitor": f"val/{OmegaConf.select(config, 'task.monitor', default='accuracy')}",
             "error": str(job_return._return_value) if failed else None,
         }
         job_dir.mkdir(parents=True, exist_ok=True)

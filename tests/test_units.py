@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import subprocess
 import sys
 from unittest import mock
@@ -389,3 +390,28 @@ def test_a_checkpoint_from_before_tasks_resumes_as_classification():
     old = {"best_accuracy": 0.9, "best_ema_accuracy": -1.0, "config": stored}
     assert resumed_best(old, "accuracy") == (0.9, None)
     assert resumed_best(old, "loss") == (None, None)  # another monitor: its best afresh
+
+
+def test_the_sweep_table_shows_each_jobs_monitor_whatever_the_task(tmp_path):
+    from ddp_utils.sweep import format_summary, write_summary
+
+    for job, (monitor, record) in enumerate([
+        ("val/mae", {"val/mae": 1.25, "val/loss": 2.0}),
+        ("val/mae", {"val/mae": 0.75, "val/loss": 1.0}),
+    ]):  # fmt: skip
+        folder = tmp_path / str(job)
+        folder.mkdir()
+        (folder / "job.json").write_text(json.dumps(
+            {"job": job, "overrides": [f"optim.lr={job}"], "status": "COMPLETED",
+             "monitor": monitor, "error": None}))  # fmt: skip
+        line = {"epoch": 1, "step": 9, "world_size": 2, "train/loss": 3.0, **record}
+        (folder / "metrics.jsonl").write_text(json.dumps(line) + "\n")
+    rows = write_summary(tmp_path)
+    table = format_summary(rows).splitlines()
+    assert table[0].split()[:3] == ["job", "status", "val/mae"]
+    assert table[1].split()[:4] == ["0", "COMPLETED", "1.2500", "3.0000"]
+    header = (tmp_path / "summary.csv").read_text().splitlines()[0]
+    assert header == ("job,overrides,status,world_size,epoch,step,train/loss,val/mae,val/loss,"
+                      "monitor,error")  # fmt: skip
+    rows[1].pop("monitor")  # a job.json from before tasks: val/accuracy
+    assert format_summary(rows).splitlines()[0].split()[2] == "monitor"
