@@ -35,7 +35,7 @@ bench-data: $(STAMP)  ## input pipeline: image folder of JPEGs, train.py vs the 
 	$(BIN)/python -c "import skimage" 2>/dev/null || $(BIN)/python -m pip install -q -e '.[bench]'
 	$(BIN)/python bench/bench_data.py
 
-bench-peer: $(STAMP)  ## whole runs: train.py vs a references-style loop, 3 pairs of 3 epochs (~15 min)
+bench-peer: $(STAMP)  ## whole runs: train.py vs a references-style loop, 3 pairs of 3 epochs (~20 min on 2 cores)
 	$(BIN)/python bench/peer.py $(ARGS)
 
 recipes: $(STAMP)  ## the recipes' accuracy over 3 held-out slices x 3 seeds x 3 lrs (~30 min)
