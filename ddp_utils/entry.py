@@ -152,6 +152,12 @@ def implied_options() -> list[str]:
     return list(_implied)
 
 
+def chosen_options(args: list[str]) -> dict[str, str]:
+    """The ``GROUP=OPTION`` choices among command-line ``args`` (``+``/``~`` prefixes too); a
+    ``KEY=VALUE`` such as ``data.root=x`` names no group, and the last choice counts."""
+    return {m[1]: m[2] for a in args if (m := re.match(r"[+~]*(\w+)=(\w*)$", a))}
+
+
 def checkpoint_options(args: list[str]) -> list[str]:
     """``GROUP=OPTION`` overrides of the options stored in the ``checkpoint=PATH`` that
     ``args`` name, for each of data, model and task that ``args`` do not choose."""
@@ -162,7 +168,7 @@ def checkpoint_options(args: list[str]) -> list[str]:
 
     # Mapped, not read, where the file's format allows: only its config is wanted here.
     stored = load_checkpoint(paths[0], mmap=zipfile.is_zipfile(paths[0]))["config"]
-    chosen = {m.group(1) for a in args if (m := re.match(r"[+~]*(\w+)=", a))}
+    chosen = chosen_options(args)
     return [
         f"{group}={stored[group]['name']}"
         for group, (_, options) in GROUPS.items()
@@ -208,10 +214,9 @@ def hydra_error_paragraph(e: BaseException, args: list[str] | None = None) -> st
         owner := options_of_schema(m.group(2))
     ):
         group, options = owner
-        given = sys.argv[1:] if args is None else args
-        chosen = [a.split("=", 1)[1] for a in given if re.match(rf"[+~]*{group}=\w", a)]
-        chosen = [c for c in chosen if c in options]
-        return not_a_key(group, chosen[-1] if chosen else " | ".join(options), m.group(1))
+        chosen = chosen_options(sys.argv[1:] if args is None else args).get(group)
+        where = chosen if chosen in options else " | ".join(options)
+        return not_a_key(group, where, m.group(1))
     if "not in '" in text or "Could not override" in text:
         text = text.rstrip(".") + ". Check the spelling: python train.py --cfg job lists every key."
     return text
