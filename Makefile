@@ -7,7 +7,7 @@ NPROC  ?= 2
 ARGS   ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install train test lint format clean bench bench-gpu bench-data bench-peer recipes
+.PHONY: help install train test lint format clean bench bench-gpu bench-data bench-peer bench-profile recipes
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -37,6 +37,10 @@ bench-data: $(STAMP)  ## input pipeline: image folder of JPEGs, train.py vs the 
 
 bench-peer: $(STAMP)  ## whole runs: train.py vs a references-style loop, 3 pairs of 3 epochs (~20 min on 2 cores)
 	$(BIN)/python bench/peer.py $(ARGS)
+
+bench-profile: $(STAMP)  ## one run of each side under torch.profiler and py-spy (bench/results/profile)
+	test -x $(BIN)/py-spy || $(BIN)/python -m pip install -q -e '.[bench]'
+	$(BIN)/python bench/peer.py --profile=50 $(ARGS)
 
 recipes: $(STAMP)  ## the recipes' accuracy over 3 held-out slices x 3 seeds x 3 lrs (~30 min)
 	$(BIN)/python bench/recipes.py

@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -80,13 +81,36 @@ def theirs_command(data: Path, run_dir: Path, a: argparse.Namespace) -> list[str
             f"--workers={a.workers}", f"--crop={a.crop}", f"--lr={a.lr}"]  # fmt: skip
 
 
+def profiled(kind: str, command: list[str], a: argparse.Namespace) -> list[str]:
+    """``command`` with the torch.profiler window on rank 0 and, where py-spy is installed,
+    under ``py-spy record`` (every process: torchrun, the ranks, their loader workers)."""
+    table = a.profile_dir / f"{kind}_torch_profiler.txt"
+    if kind == "ours":
+        command = command[:-1] + [
+            f"callbacks=[{{_target_: peer_timing.Timing}}, {{_target_: "
+            f"peer_profile.Profile, steps: {a.profile}, out: '{table}'}}]"
+        ]
+    else:
+        command = [*command, f"--profile-steps={a.profile}", f"--profile-out={table}"]
+    spy = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which("py-spy")
+    if spy is None:
+        print("py-spy not found (pip install py-spy): torch.profiler only", flush=True)
+        return command
+    flame = a.profile_dir / f"{kind}_py_spy.txt"
+    return [spy, "record", "--subprocesses", "--idle", "--rate", "50", "--format", "raw",
+            "--output", str(flame), "--", *command]  # fmt: skip
+
+
 def run(kind: str, data: Path, a: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         build = ours_command if kind == "ours" else theirs_command
+        command = build(data, Path(tmp), a)
+        if a.profile:
+            command = profiled(kind, command, a)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "bench"), str(ROOT)])}
         start = time.time()
-        proc = subprocess.run(build(data, Path(tmp), a), cwd=tmp, env=env, capture_output=True,
-                              text=True, timeout=3600)  # fmt: skip
+        proc = subprocess.run(command, cwd=tmp, env=env, capture_output=True, text=True,
+                              timeout=3600)  # fmt: skip
         end = time.time()
     if proc.returncode != 0:
         sys.exit(f"{kind} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
@@ -144,7 +168,14 @@ def main() -> None:
     p.add_argument("--crop", type=int, default=32)
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--out", type=Path, default=RESULTS / "peer.json")
+    p.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                   help="one run of each, profiling STEPS steps (torch.profiler, py-spy) into "
+                   "--profile-dir; timings then include the profilers' overhead")  # fmt: skip
+    p.add_argument("--profile-dir", type=Path, default=RESULTS / "profile")
     a = p.parse_args()
+    if a.profile:
+        a.pairs, a.out = 1, a.profile_dir / "peer.json"
+        a.profile_dir.mkdir(parents=True, exist_ok=True)
     data, what = make_folder(RESULTS / "peer_folder")
     runs: dict[str, list[dict]] = {"ours": [], "theirs": []}
     for i in range(a.pairs):

@@ -50,7 +50,7 @@ def loaders(args: argparse.Namespace) -> tuple[DataLoader, DataLoader, Distribut
     )
 
 
-def train_one_epoch(model, criterion, optimizer, scheduler, loader) -> tuple[int, float]:
+def train_one_epoch(model, criterion, optimizer, scheduler, loader, prof) -> tuple[int, float]:
     model.train()
     seen, start = 0, time.perf_counter()
     for image, target in loader:
@@ -65,6 +65,8 @@ def train_one_epoch(model, criterion, optimizer, scheduler, loader) -> tuple[int
         seen += len(target)
         if seen == len(target):
             emit(event="first_step", time=time.time())
+        if prof is not None:
+            prof.step()
     return seen, time.perf_counter() - start
 
 
@@ -87,7 +89,8 @@ def main() -> None:
     for name, kind, default in [("epochs", int, 3), ("batch-size", int, 64), ("workers", int, 1),
                                 ("crop", int, 32), ("seed", int, 0), ("num-classes", int, 10),
                                 ("lr", float, 0.1), ("momentum", float, 0.9),
-                                ("wd", float, 1e-4)]:  # fmt: skip
+                                ("wd", float, 1e-4), ("profile-steps", int, 0),
+                                ("profile-out", str, "profile.txt")]:  # fmt: skip
         p.add_argument(f"--{name}", type=kind, default=default)
     args = p.parse_args()
     dist.init_process_group("gloo")
@@ -98,9 +101,14 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
                                 weight_decay=args.wd)  # fmt: skip
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, args.epochs * len(train))
+    prof = None
+    if args.profile_steps:  # bench/peer.py --profile: the same window as ours
+        from profile_window import start_profiler
+
+        prof = start_profiler(args.profile_steps, args.profile_out, dist.get_rank() == 0)
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
-        seen, elapsed = train_one_epoch(model, criterion, optimizer, scheduler, train)
+        seen, elapsed = train_one_epoch(model, criterion, optimizer, scheduler, train, prof)
         rate = torch.tensor([seen / elapsed])
         dist.all_reduce(rate)  # the global rate: every rank's images over its time
         top1 = evaluate(model, criterion, val)
