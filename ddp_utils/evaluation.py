@@ -22,6 +22,7 @@ from ddp_utils.config import (
 )
 from ddp_utils.data import build_eval_data
 from ddp_utils.data.classes import class_difference
+from ddp_utils.data.loaders import close_loader
 from ddp_utils.dist import Runtime, init_distributed
 from ddp_utils.files import UNWRITABLE, atomic_write_text, unwritable
 from ddp_utils.metrics import build_metrics, evaluate, scalars
@@ -107,6 +108,7 @@ def run_eval(cfg: DictConfig, implied: Sequence[str] = ()) -> dict[str, Any]:
                           skip_bad=skips_bad_images(data))  # fmt: skip
     finally:
         watchdog.close()
+        close_loader(loader)
     result.update(world_size=rt.world_size, checkpoint=str(checkpoint), ema=cfg.ema,
                   monitor=train_cfg.task.monitor)  # fmt: skip
     output = Path(cfg.output) if cfg.output else default_output(checkpoint)

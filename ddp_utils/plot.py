@@ -63,7 +63,9 @@ def draw_runs(runs: list[Path]) -> Figure:
     for ax in (ax_loss, ax_acc):
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
-    fig.tight_layout()
+    # Fixed margins: tight_layout would render the figure once more just to measure it, a
+    # third of the drawing time at the end of every run.
+    fig.subplots_adjust(left=0.085, right=0.98, bottom=0.13, top=0.91, wspace=0.25)
     return fig
 
 

@@ -53,6 +53,18 @@ def test_build_data_streams_uint8_batches_with_class_names(folder):
     assert sum(len(b[1]) for b in data.val) == len(data.val.dataset) == 60
 
 
+def test_close_stops_the_persistent_workers_and_a_new_epoch_restarts_them(folder):
+    data = build_data(folder_cfg(folder, batch_size=16, num_workers=1), RT, seed=0)
+    first = [labels for _, labels in data.train]
+    workers = data.train._iterator._workers
+    assert all(w.is_alive() for w in workers)
+    data.close()
+    assert data.train._iterator is None and not any(w.is_alive() for w in workers)
+    again = [labels for _, labels in data.train]  # same epoch: the same batches
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    data.close()
+
+
 def _fail(cfg, match):
     with pytest.raises(ConfigError, match=match):
         build_data(cfg, RT, seed=0)

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, Sampler
 
 from ddp_utils.config import DataConfig, StreamedData
 from ddp_utils.data.builtin import ImageTensorDataset, load_split
-from ddp_utils.data.loaders import TensorLoader, worker_loader
+from ddp_utils.data.loaders import TensorLoader, close_loader, worker_loader
 from ddp_utils.data.preprocess import Preprocess
 from ddp_utils.data.samplers import (
     BAD_LABEL,
@@ -42,6 +42,11 @@ class DataBundle:
     preprocess_train: nn.Module
     preprocess_eval: nn.Module
     classes: list[str] | None = None  # class names, where the source has them
+
+    def close(self) -> None:
+        """Stop the loaders' worker processes (a loader iterated again starts new ones)."""
+        close_loader(self.train)
+        close_loader(self.val)
 
 
 def in_memory_loader(

@@ -105,11 +105,13 @@ class Training:
     validation: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def close(self, drain: bool = True) -> None:
-        """Stop the helpers: signal handlers, watchdog, progress bar, TensorBoard writer."""
+        """Stop the helpers: signal handlers, watchdog, progress bar, TensorBoard writer, the
+        loaders' workers."""
         self.stop.close(drain)
         self.watchdog.close()
         self.progress.end_epoch()
         self.tracker.close()
+        self.data.close()
 
 
 def global_batch(cfg: TrainConfig, rt: Runtime) -> int:
