@@ -190,6 +190,11 @@ def main() -> None:
           f"{a.batch_size} per process, {a.workers} worker per process, world size 2 (gloo), "
           f"fp32; data: {what}; machine: {machine()}\n")  # fmt: skip
     print(table(ours, theirs))
+    if a.profile and (a.profile_dir / "ours_py_spy.txt").is_file():
+        import profile_summary
+
+        print(f"\nprofiles in {a.profile_dir} (torch.profiler tables: *_torch_profiler.txt)\n")
+        profile_summary.main([str(a.profile_dir)])
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps({"runs": runs, "ours": ours, "theirs": theirs,
                                  "data": what, "machine": machine()}, indent=2))  # fmt: skip
