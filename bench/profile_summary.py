@@ -43,8 +43,9 @@ PHASES = [  # (phase, a frame that marks it); the first match wins
 
 def main_process(lines: list[str], script: str) -> str:
     """The first worker torchrun started (``python -u script``): global rank 0."""
+    marker = f"-u {ROOT / script}"
     pids = {f.split(":")[0] for line in lines for f in line.split(";")
-            if f.startswith("process ") and f"-u {script}" in f.replace(str(ROOT) + "/", "")}  # fmt: skip
+            if f.startswith("process ") and marker in f}  # fmt: skip
     return min(pids, key=lambda p: int(p.split()[1]))
 
 
@@ -56,7 +57,7 @@ def phases(path: Path, script: str) -> collections.Counter:
         stack, count = line.rsplit(" ", 1)
         frames = stack.split(";")
         procs = [f for f in frames if f.startswith("process ")]
-        rest = frames[len(procs):]
+        rest = frames[len(procs) :]
         if procs[-1].split(":")[0] != rank0 or not rest or rest[0].startswith("Thread."):
             continue
         joined = ";".join(rest)
