@@ -25,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import profile_summary  # bench/, beside this file
+
 ROOT = Path(__file__).resolve().parents[1]
 MNIST = ROOT.parent / "shared" / "data" / "mnist10k"
 RESULTS = ROOT / "bench" / "results"
@@ -64,7 +66,10 @@ def make_folder(root: Path) -> tuple[Path, str]:
     return root, what
 
 
-def ours_command(data: Path, run_dir: Path, a: argparse.Namespace) -> list[str]:
+def ours_command(
+    data: Path, run_dir: Path, a: argparse.Namespace, callbacks: str = ""
+) -> list[str]:
+    """train.py on the job; ``callbacks``: more entries for its callbacks list (the profiler)."""
     return [*TORCHRUN, str(ROOT / "train.py"), "data=imagefolder", f"data.root={data}",
             "data.in_channels=3", f"data.image_size={a.crop}", "data.num_classes=10",
             f"data.batch_size={a.batch_size}", f"data.num_workers={a.workers}",
@@ -72,7 +77,7 @@ def ours_command(data: Path, run_dir: Path, a: argparse.Namespace) -> list[str]:
             "optim=sgd", f"optim.lr={a.lr}", "optim.momentum=0.9", "optim.weight_decay=1e-4",
             "sched=cosine", f"trainer.epochs={a.epochs}", "trainer.precision=32",
             "trainer.progress=false", f"run_dir={run_dir}",
-            "callbacks=[{_target_: peer_timing.Timing}]"]  # fmt: skip
+            f"callbacks=[{{_target_: peer_timing.Timing}}{callbacks}]"]  # fmt: skip
 
 
 def theirs_command(data: Path, run_dir: Path, a: argparse.Namespace) -> list[str]:
@@ -81,32 +86,30 @@ def theirs_command(data: Path, run_dir: Path, a: argparse.Namespace) -> list[str
             f"--workers={a.workers}", f"--crop={a.crop}", f"--lr={a.lr}"]  # fmt: skip
 
 
-def profiled(kind: str, command: list[str], a: argparse.Namespace) -> list[str]:
-    """``command`` with the torch.profiler window on rank 0 and, where py-spy is installed,
-    under ``py-spy record`` (every process: torchrun, the ranks, their loader workers)."""
+def profiled_command(kind: str, data: Path, run_dir: Path, a: argparse.Namespace) -> list[str]:
+    """The run with the torch.profiler window on rank 0 and, where py-spy is installed, under
+    ``py-spy record`` (every process: torchrun, the ranks, their loader workers)."""
     table = a.profile_dir / f"{kind}_torch_profiler.txt"
     if kind == "ours":
-        command = command[:-1] + [
-            f"callbacks=[{{_target_: peer_timing.Timing}}, {{_target_: "
-            f"peer_profile.Profile, steps: {a.profile}, out: '{table}'}}]"
-        ]
+        profile = f", {{_target_: peer_profile.Profile, steps: {a.profile}, out: '{table}'}}"
+        command = ours_command(data, run_dir, a, callbacks=profile)
     else:
-        command = [*command, f"--profile-steps={a.profile}", f"--profile-out={table}"]
+        command = [*theirs_command(data, run_dir, a), f"--profile-steps={a.profile}",
+                   f"--profile-out={table}"]  # fmt: skip
     spy = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which("py-spy")
     if spy is None:
         print("py-spy not found (pip install py-spy): torch.profiler only", flush=True)
         return command
     flame = a.profile_dir / f"{kind}_py_spy.txt"
-    return [spy, "record", "--subprocesses", "--idle", "--rate", "50", "--format", "raw",
-            "--output", str(flame), "--", *command]  # fmt: skip
+    return [spy, "record", "--subprocesses", "--idle", "--rate", str(profile_summary.RATE),
+            "--format", "raw", "--output", str(flame), "--", *command]  # fmt: skip
 
 
 def run(kind: str, data: Path, a: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        build = ours_command if kind == "ours" else theirs_command
-        command = build(data, Path(tmp), a)
-        if a.profile:
-            command = profiled(kind, command, a)
+        plain = ours_command if kind == "ours" else theirs_command
+        command = (profiled_command(kind, data, Path(tmp), a) if a.profile
+                   else plain(data, Path(tmp), a))  # fmt: skip
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "bench"), str(ROOT)])}
         start = time.time()
         proc = subprocess.run(command, cwd=tmp, env=env, capture_output=True, text=True,
@@ -191,8 +194,6 @@ def main() -> None:
           f"fp32; data: {what}; machine: {machine()}\n")  # fmt: skip
     print(table(ours, theirs))
     if a.profile and (a.profile_dir / "ours_py_spy.txt").is_file():
-        import profile_summary
-
         print(f"\nprofiles in {a.profile_dir} (torch.profiler tables: *_torch_profiler.txt)\n")
         profile_summary.main([str(a.profile_dir)])
     a.out.parent.mkdir(parents=True, exist_ok=True)

@@ -102,7 +102,7 @@ def main() -> None:
                                 weight_decay=args.wd)  # fmt: skip
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, args.epochs * len(train))
     prof = None
-    if args.profile_steps:  # bench/peer.py --profile: the same window as ours
+    if args.profile_steps:  # make bench-profile: the same window as ours
         from profile_window import start_profiler
 
         prof = start_profiler(args.profile_steps, args.profile_out, dist.get_rank() == 0)
@@ -118,6 +118,8 @@ def main() -> None:
                      "lr_scheduler": scheduler.state_dict(), "epoch": epoch}  # fmt: skip
             torch.save(state, os.path.join(args.output_dir, f"model_{epoch}.pth"))
             torch.save(state, os.path.join(args.output_dir, "checkpoint.pth"))
+    if prof is not None:
+        prof.stop()  # as ours' callback does at the end of training
     dist.destroy_process_group()
 
 

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RATE = 50  # samples per second: bench/peer.py's py-spy --rate
+RATE = 50  # py-spy's samples per second (bench/peer.py passes it as --rate)
 PHASES = [  # (phase, a frame that marks it); the first match wins
     ("plot curves", "draw_curves"),
     ("teardown", "shutdown (ddp_utils/dist"),

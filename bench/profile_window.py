@@ -1,4 +1,4 @@
-"""The profiled window of `make bench-peer ARGS=--profile`, shared by train.py's callback
+"""The profiled window of `make bench-profile`, shared by train.py's callback
 (bench/peer_profile.py) and the peer loop (bench/peer_reference.py), torch only: the peer
 imports nothing of ours.
 """

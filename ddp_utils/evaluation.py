@@ -20,9 +20,8 @@ from ddp_utils.config import (
     skips_bad_images,
     to_schema,
 )
-from ddp_utils.data import build_eval_data
+from ddp_utils.data import build_eval_data, close_loader
 from ddp_utils.data.classes import class_difference
-from ddp_utils.data.loaders import close_loader
 from ddp_utils.dist import Runtime, init_distributed
 from ddp_utils.files import UNWRITABLE, atomic_write_text, unwritable
 from ddp_utils.metrics import build_metrics, evaluate, scalars

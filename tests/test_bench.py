@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
+import sys
 
-from conftest import run_script
+from conftest import ROOT, run_script
+
+sys.path.insert(0, str(ROOT / "bench"))
+import profile_summary  # noqa: E402 - bench/ is a folder of scripts, not a package
 
 
 def test_bench_worker_runs_every_loop():
@@ -19,3 +24,38 @@ def test_bench_worker_runs_every_loop():
     rates = result["images_per_s"]
     assert set(rates) == {"tutorial", "raw bound", "train.py", "train.py bf16"}
     assert all(rate > 0 for rate in rates.values())
+
+
+def test_profile_callback_writes_rank_0s_operator_table(tmp_path):
+    """make bench-profile's window in train.py; a run ending inside the window still writes it."""
+    table = tmp_path / "ours_torch_profiler.txt"
+    proc = run_script(
+        "train.py", "data=digits", "trainer.epochs=2", "trainer.max_steps=14",
+        "trainer.progress=false", f"run_dir={tmp_path / 'run'}",
+        "callbacks=[{_target_: peer_timing.Timing}, {_target_: peer_profile.Profile, steps: 50, "
+        f"out: '{table}'}}]",
+        env={"PYTHONPATH": os.pathsep.join([str(ROOT / "bench"), str(ROOT)])},
+    )  # fmt: skip
+    assert any(x.startswith("PEER ") and "first_step" in x for x in proc.stdout.splitlines())
+    text = table.read_text()
+    assert text.startswith("50 steps after 10 of warm-up") and "aten::" in text
+
+
+def test_profile_summary_splits_rank_0s_samples_by_phase(tmp_path):
+    rank0 = f'process 11:"python -u {ROOT / "train.py"} data=x"'
+    rank1 = f'process 12:"python -u {ROOT / "train.py"} data=x"'
+    peer = f'process 21:"python -u {ROOT / "bench" / "peer_reference.py"}"'
+    agent = 'process 10:"python -m torch.distributed.run"'
+    (tmp_path / "ours_py_spy.txt").write_text("\n".join([
+        f"{agent};{rank0};<module> (train.py:1);_find_and_load (<frozen>:1) 100",
+        f"{agent};{rank0};train_one_epoch (ddp_utils/train/loop.py:9);"
+        "backward (torch/_tensor.py:5) 250",
+        f"{agent};{rank0};Thread._bootstrap (threading.py:1);wait (x.py:1) 999",
+        f"{agent};{rank1};train_one_epoch (ddp_utils/train/loop.py:9) 999",
+    ]))  # fmt: skip
+    (tmp_path / "theirs_py_spy.txt").write_text(
+        f"{agent};{peer};main (peer_reference.py:3);evaluate (peer_reference.py:7) 50"
+    )
+    ours = profile_summary.phases(tmp_path / "ours_py_spy.txt", "train.py")
+    theirs = profile_summary.phases(tmp_path / "theirs_py_spy.txt", "bench/peer_reference.py")
+    assert ours == {"imports": 2.0, "step: backward": 5.0} and theirs == {"validation": 1.0}

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import shutil
+from types import SimpleNamespace
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -21,6 +23,7 @@ from ddp_utils.data.samplers import EpochTagged, ResumableDistributedSampler
 from ddp_utils.data.transforms import SeededTransform, train_transform
 from ddp_utils.dist import Runtime
 from ddp_utils.entry import register
+from ddp_utils.train.state import Training
 
 RT = Runtime(0, 0, 1, 1, torch.device("cpu"), "gloo")
 register()
@@ -335,3 +338,13 @@ def test_images_out_of_range_are_refused_naming_them_or_skipped():
     skipping = CustomSource(items, CustomData(**{**cfg.__dict__, "skip_bad_images": True}), "train")
     assert [skipping[i][1] for i in range(4)] == [-101, -101, -101, 4]
     assert skipping[3][0].unique().tolist() == [64]
+
+
+def test_the_end_of_training_stops_the_loaders_workers(folder):
+    data = build_data(folder_cfg(folder, batch_size=16, num_workers=1), RT, seed=0)
+    next(iter(data.train)), next(iter(data.val))
+    workers = data.train._iterator._workers + data.val._iterator._workers
+    helpers = {name: mock.Mock() for name in ("stop", "watchdog", "progress", "tracker")}
+    Training.close(SimpleNamespace(data=data, **helpers), drain=False)
+    assert not any(w.is_alive() for w in workers)
+    helpers["stop"].close.assert_called_once_with(False)

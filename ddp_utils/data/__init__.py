@@ -30,7 +30,7 @@ from ddp_utils.dist import Runtime, local_main_first
 
 __all__ = [
     "BAD_LABEL", "IGNORE_LABEL", "DataBundle", "Preprocess", "build_data", "build_eval_data",
-    "load_split",
+    "close_loader", "load_split",
 ]  # fmt: skip
 
 
