@@ -9,14 +9,26 @@ from ddp_utils.config.data import (
     CustomData,
     DataConfig,
     DigitsData,
+    DigitsSegData,
     ImageFolderData,
+    SegFolderData,
+    SegmentationData,
     StreamedData,
     SyntheticData,
     TorchvisionData,
+    VOCData,
     skips_bad_images,
 )
 from ddp_utils.config.errors import ConfigError, whole_sentences
-from ddp_utils.config.model import ConvNetModel, CustomModel, MLPModel, ModelConfig, ZooModel
+from ddp_utils.config.model import (
+    ConvNetModel,
+    CustomModel,
+    MLPModel,
+    ModelConfig,
+    SegConvNetModel,
+    SegZooModel,
+    ZooModel,
+)
 from ddp_utils.config.options import option_schema, options_help, own_keys
 from ddp_utils.config.schema import (
     EvalConfig,
@@ -33,14 +45,15 @@ from ddp_utils.config.schema import (
     unknown_keys,
     validate,
 )
-from ddp_utils.config.task import CustomTask, TaskConfig
+from ddp_utils.config.task import CustomTask, SegmentationTask, TaskConfig
 
 __all__ = [
     "ConfigError", "ConvNetModel", "CustomData", "CustomModel", "CustomTask", "DataConfig",
-    "DigitsData", "EvalConfig", "ImageFolderData", "MLPModel", "ModelConfig", "OptimConfig",
-    "SchedConfig", "StreamedData", "SyntheticData", "TaskConfig", "TorchvisionData",
-    "TrainConfig", "TrainerConfig", "ZooModel", "as_plain_dict", "collect_target_kwargs",
-    "from_record", "option_defaults", "option_schema", "options_help", "own_keys",
-    "register_configs", "skips_bad_images", "to_schema", "unknown_keys", "validate",
-    "whole_sentences",
+    "DigitsData", "DigitsSegData", "EvalConfig", "ImageFolderData", "MLPModel", "ModelConfig",
+    "OptimConfig", "SchedConfig", "SegConvNetModel", "SegFolderData", "SegZooModel",
+    "SegmentationData", "SegmentationTask", "StreamedData", "SyntheticData", "TaskConfig",
+    "TorchvisionData", "TrainConfig", "TrainerConfig", "VOCData", "ZooModel", "as_plain_dict",
+    "collect_target_kwargs", "from_record", "option_defaults", "option_schema", "options_help",
+    "own_keys", "register_configs", "skips_bad_images", "to_schema", "unknown_keys",
+    "validate", "whole_sentences",
 ]  # fmt: skip

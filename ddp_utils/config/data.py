@@ -15,6 +15,7 @@ SPLITS = ("train", "val")
 LOADERS = ("auto", "tensor", "torch")
 INTERPOLATIONS = ("nearest", "bilinear", "bicubic")
 AUTO_AUGMENTS = ("ta_wide", "ra", "augmix")
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
 @dataclass
@@ -163,6 +164,112 @@ class CustomData(StreamedData):
         super().check()
 
 
+@dataclass
+class SegmentationData(DataConfig):
+    """What the segmentation options share: (image, index mask) pairs, transformed jointly
+    per sample in the loader's workers (``ddp_utils.data.segmentation``)."""
+
+    name: str = "digits_seg"
+    # A mask value that is never counted and never in the loss (VOC's object borders).
+    ignore_index: int = 255
+    # Training: the shorter side resized to a random size in scale_range x base_size, a random
+    # crop_size crop (the mask padded with ignore_index), a horizontal flip (hflip).
+    base_size: int = 32
+    crop_size: int = 32
+    scale_range: list[float] = field(default_factory=lambda: [0.5, 2.0])
+    hflip: bool = True
+    # Evaluation: the shorter side resized to eval_size; null = each image at its own size.
+    eval_size: int | None = None
+    interpolation: str = "bilinear"  # the images' resize (masks: nearest neighbour, always)
+
+    def check(self) -> None:
+        super().check()
+        check_choice("data.interpolation", self.interpolation, INTERPOLATIONS)
+        for key in ("base_size", "crop_size", "eval_size"):
+            check_positive(f"data.{key}", getattr(self, key))
+        if not 0 <= self.ignore_index <= 255:
+            raise ConfigError(
+                f"data.ignore_index={self.ignore_index}: index masks are 8-bit PNGs, so the "
+                "ignored value lies in 0..255 (255 by default)."
+            )
+        if self.num_classes > 255 or self.ignore_index < self.num_classes:
+            raise ConfigError(
+                f"data.num_classes={self.num_classes} and data.ignore_index="
+                f"{self.ignore_index}: class ids are 0..num_classes-1 in an 8-bit mask, below "
+                "ignore_index; lower data.num_classes or raise data.ignore_index."
+            )
+        lo_hi = self.scale_range
+        if len(lo_hi) != 2 or not 0 < lo_hi[0] <= lo_hi[1]:
+            raise ConfigError(
+                f"data.scale_range={list(lo_hi)} needs two factors 0 < low <= high of "
+                "data.base_size, e.g. [0.5,2.0]."
+            )
+        if self.in_channels not in (1, 3):
+            raise ConfigError(
+                f"data.in_channels={self.in_channels}: images are read as grey (1) or RGB (3); "
+                "set data.in_channels=1 or 3."
+            )
+
+
+@dataclass
+class DigitsSegData(SegmentationData):
+    """data=digits_seg | mnist_seg: canvases of one to three digits at random places, made
+    once in memory; mask = digit + 1 on the digit's pixels, 0 (background) elsewhere."""
+
+    root: str | None = None  # mnist_seg: the folder that holds MNIST/ (torchvision's layout)
+    canvas_size: int = 32
+    digit_scales: list[int] = field(default_factory=lambda: [2, 3])  # upscaling factors
+    max_digits: int = 3
+    val_fraction: float = 0.2  # digits_seg: the share of the digits held out for validation
+    split_seed: int = 0  # the split and the canvases' layout
+    val_slice: int | None = None  # as data=digits: which held-out slice validates
+
+    def check(self) -> None:
+        super().check()
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ConfigError(
+                f"data.val_fraction={self.val_fraction} must lie strictly between 0 and 1."
+            )
+        check_positive("data.val_slice", self.val_slice, allow_zero=True)
+        check_positive("data.max_digits", self.max_digits)
+        if not self.digit_scales or min(self.digit_scales) < 1:
+            raise ConfigError(f"data.digit_scales={self.digit_scales} needs factors >= 1.")
+
+
+@dataclass
+class SegFolderData(SegmentationData):
+    """data=segfolder: root/<train_dir>/{images,masks}/, root/<val_dir>/{images,masks}/."""
+
+    name: str = "segfolder"
+    root: str = "data"
+    in_channels: int = 3
+    mean: list[float] = field(default_factory=lambda: list(IMAGENET_MEAN))
+    std: list[float] = field(default_factory=lambda: list(IMAGENET_STD))
+    augment: bool = True
+    train_dir: str = "train"
+    val_dir: str = "val"
+
+
+@dataclass
+class VOCData(SegmentationData):
+    """data=voc: Pascal VOC's layout under root (VOCdevkit/VOC<year>), never downloaded."""
+
+    name: str = "voc"
+    root: str = "data"
+    in_channels: int = 3
+    num_classes: int = 21
+    mean: list[float] = field(default_factory=lambda: list(IMAGENET_MEAN))
+    std: list[float] = field(default_factory=lambda: list(IMAGENET_STD))
+    augment: bool = True
+    base_size: int = 520
+    crop_size: int = 480
+    image_size: int = 480
+    eval_size: int | None = 520
+    year: str = "2012"
+    train_set: str = "train"  # ImageSets/Segmentation/<train_set>.txt
+    val_set: str = "val"
+
+
 DATA_OPTIONS: dict[str, type[DataConfig]] = {
     "digits": DigitsData,
     "mnist": TorchvisionData,
@@ -171,6 +278,10 @@ DATA_OPTIONS: dict[str, type[DataConfig]] = {
     "synthetic": SyntheticData,
     "imagefolder": ImageFolderData,
     "custom": CustomData,
+    "digits_seg": DigitsSegData,
+    "mnist_seg": DigitsSegData,
+    "segfolder": SegFolderData,
+    "voc": VOCData,
 }
 
 

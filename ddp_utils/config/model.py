@@ -83,6 +83,36 @@ class CustomModel(ModelConfig):
             )
 
 
+@dataclass
+class SegConvNetModel(ModelConfig):
+    """model=seg_convnet: a small encoder-decoder for per-pixel class scores."""
+
+    _target_: str = "ddp_utils.models.nets.SegConvNet"
+    name: str = "seg_convnet"
+    channels: list[int] = field(default_factory=lambda: [32, 64, 96])  # one stage each
+
+    def check(self) -> None:
+        if len(self.channels) < 2 or any(c < 1 for c in self.channels):
+            raise ConfigError(
+                f"model.channels={self.channels} needs two or more positive channel counts."
+            )
+
+
+@dataclass
+class SegZooModel(ModelConfig):
+    """model=torchvision_seg: a segmentation model of torchvision by name."""
+
+    _target_: str = "ddp_utils.models.zoo.torchvision_seg_model"
+    name: str = "torchvision_seg"
+    arch: str = "fcn_resnet50"
+    aux_loss: bool = False  # the auxiliary head (its loss weight: task.aux_weight)
+    weights_backbone: str | None = None  # a local state dict of the backbone
+
+    def check(self) -> None:
+        if not self.arch:
+            raise ConfigError("model=torchvision_seg needs model.arch=NAME.")
+
+
 MODEL_OPTIONS: dict[str, type[ModelConfig]] = {
     "convnet": ConvNetModel,
     "mlp": MLPModel,
@@ -90,4 +120,6 @@ MODEL_OPTIONS: dict[str, type[ModelConfig]] = {
     "torchvision": ZooModel,
     "timm": ZooModel,
     "custom": CustomModel,
+    "seg_convnet": SegConvNetModel,
+    "torchvision_seg": SegZooModel,
 }

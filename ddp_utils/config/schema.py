@@ -31,7 +31,7 @@ from ddp_utils.config.options import (
 from ddp_utils.config.task import TaskConfig
 
 OPTIMIZERS = ("sgd", "adamw")
-SCHEDULERS = ("none", "cosine", "step", "onecycle")
+SCHEDULERS = ("none", "cosine", "step", "onecycle", "poly")
 PRECISIONS = ("auto", "32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "nccl", "gloo")
@@ -61,6 +61,7 @@ class SchedConfig:
     step_epochs: int = 10  # step: decay every this many epochs
     gamma: float = 0.1  # step
     pct_start: float = 0.3  # onecycle
+    power: float = 0.9  # poly: lr x (1 - progress) ** power
 
 
 @dataclass
@@ -176,6 +177,7 @@ def check_run(cfg: TrainConfig) -> None:
         ("trainer.keep_last", t.keep_last),
         ("trainer.bucket_cap_mb", t.bucket_cap_mb),
         ("sched.step_epochs", s.step_epochs),
+        ("sched.power", s.power),
         ("trainer.ema_every_steps", t.ema_every_steps),
     ):
         check_positive(key, value)

@@ -50,4 +50,23 @@ class CustomTask(TaskConfig):
             )
 
 
-TASK_OPTIONS: dict[str, type[TaskConfig]] = {"classification": TaskConfig, "custom": CustomTask}
+@dataclass
+class SegmentationTask(TaskConfig):
+    """task=segmentation: per-pixel cross-entropy (and the auxiliary head's), mean IoU."""
+
+    _target_: str = "ddp_utils.tasks.segmentation.Segmentation"
+    name: str = "segmentation"
+    monitor: str = "miou"
+    aux_weight: float = 0.5  # the auxiliary head's share of the loss (model.aux_loss=true)
+
+    def check(self) -> None:
+        super().check()
+        if self.aux_weight < 0:
+            raise ConfigError(f"task.aux_weight={self.aux_weight} must be >= 0.")
+
+
+TASK_OPTIONS: dict[str, type[TaskConfig]] = {
+    "classification": TaskConfig,
+    "custom": CustomTask,
+    "segmentation": SegmentationTask,
+}

@@ -5,7 +5,9 @@ every sample exactly once per epoch and in evaluation, at any world size):
 - in memory (``builtin``): the small built-in sets, decoded once into uint8 tensors that the
   tensor loader indexes on the device (the fastest path for them; ``data.loader=auto``);
 - streamed (``imagefolder``, ``custom``): images read and decoded in DataLoader workers,
-  transformed per sample with a seed of (seed, epoch, index).
+  transformed per sample with a seed of (seed, epoch, index);
+- segmentation (``segfolder``, ``voc``, ``digits_seg``, ``mnist_seg``): image and mask pairs
+  through joint transforms, seeded the same way (``ddp_utils.data.segmentation``).
 Batches stay uint8 until they reach the device, where ``Preprocess`` normalises them.
 """
 
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 from torch import nn
 from torch.utils.data import DataLoader, Sampler
 
-from ddp_utils.config import DataConfig, StreamedData
+from ddp_utils.config import DataConfig, SegmentationData, StreamedData
 from ddp_utils.data.builtin import ImageTensorDataset, load_split
 from ddp_utils.data.loaders import TensorLoader, close_loader, worker_loader
 from ddp_utils.data.preprocess import Preprocess
@@ -61,7 +63,12 @@ def in_memory_loader(
 def build_data(cfg: DataConfig, rt: Runtime, seed: int, channels_last: bool = False) -> DataBundle:
     """Every rank: the training and validation loaders of ``data=...`` and their preprocessing."""
     classes = None
-    if isinstance(cfg, StreamedData):
+    if isinstance(cfg, SegmentationData):
+        from ddp_utils.data.segmentation import seg_loaders  # joint image + mask transforms
+
+        train, val, sampler, classes = seg_loaders(cfg, rt, seed)
+        augment_on_device = False
+    elif isinstance(cfg, StreamedData):
         from ddp_utils.data.streamed import streamed_loaders  # torchvision: streamed sets only
 
         train, val, sampler, classes = streamed_loaders(cfg, rt, seed)
@@ -89,7 +96,11 @@ def build_eval_data(
     cfg: DataConfig, rt: Runtime, seed: int, channels_last: bool = False
 ) -> tuple[TensorLoader | DataLoader, nn.Module, list[str] | None]:
     """Every rank: the loader of ``data.split`` sharded exactly, its preprocessing, classes."""
-    if isinstance(cfg, StreamedData):
+    if isinstance(cfg, SegmentationData):
+        from ddp_utils.data.segmentation import seg_eval_loader
+
+        loader, classes = seg_eval_loader(cfg, rt, seed)
+    elif isinstance(cfg, StreamedData):
         from ddp_utils.data.streamed import streamed_eval_loader
 
         loader, classes = streamed_eval_loader(cfg, rt, seed)

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from ddp_utils.config import ConfigError
+from ddp_utils.dist import Runtime, any_rank, broadcast_object
 from ddp_utils.files import atomic_save
 
 
@@ -46,3 +48,29 @@ def cached(path: Path, key: str, build: Callable[[], dict[str, Any]]) -> tuple[d
     with contextlib.suppress(OSError):  # nowhere writable: build again next time
         atomic_save(contents, path)
     return contents, True
+
+
+def shared_cache(
+    rt: Runtime, locate: Callable[[], tuple[Path, str, Callable[[], dict[str, Any]]]]
+) -> dict[str, Any]:
+    """Every rank: a cache built (or read) by global rank 0 only; ``locate()`` gives its
+    path, its source key and how to build it. The other ranks read the file rank 0 wrote;
+    where one cannot see it, rank 0 sends the contents. A ConfigError of rank 0's (a bad
+    folder) is raised on every rank."""
+    contents, where, error = None, None, None
+    if rt.is_main:
+        try:
+            path, key, build = locate()
+            contents, _ = cached(path, key, build)
+            where = (str(path), key)
+        except ConfigError as e:
+            error = str(e)
+    where, error = broadcast_object((where, error))
+    if error:
+        raise ConfigError(error)
+    if not rt.is_main:
+        contents = read_cache(Path(where[0]), where[1])
+    if any_rank(contents is None):
+        sent = broadcast_object(contents if rt.is_main else None)
+        contents = contents if contents is not None else sent
+    return contents

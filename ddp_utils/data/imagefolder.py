@@ -16,6 +16,7 @@ import os
 import re
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,10 +27,10 @@ from torchvision.io import ImageReadMode, decode_image, read_file
 from torchvision.transforms.v2 import functional as TF
 
 from ddp_utils.config import ConfigError, DataConfig, whole_sentences
-from ddp_utils.data.cache import cache_path, cached, read_cache
+from ddp_utils.data.cache import cache_path, shared_cache
 from ddp_utils.data.classes import class_difference
 from ddp_utils.data.samplers import BAD_LABEL
-from ddp_utils.dist import Runtime, any_rank, broadcast_object
+from ddp_utils.dist import Runtime
 from ddp_utils.run import log
 
 EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")  # matched without regard to case
@@ -267,35 +268,16 @@ def scan(folder: Path, dirs: list[os.DirEntry]) -> FolderIndex:
     )  # fmt: skip
 
 
-def _main_rank_index(cfg: DataConfig, split: str) -> tuple[FolderIndex, Path, str]:
-    folder = split_folder(cfg, split)
-    dirs = class_folders(folder, f"data.{split}_dir")
-    key = folder_key(folder, dirs)
-    path = cache_path(cfg.root, f"imagefolder-{folder.name}.pt")
-    contents, _ = cached(path, key, lambda: scan(folder, dirs).to_dict())
-    return FolderIndex.from_dict(folder, contents), path, key
-
-
 def load_index(cfg: DataConfig, split: str, rt: Runtime) -> FolderIndex:
     """Every rank: the split's index, scanned (or read from the cache) by global rank 0 only."""
-    index, where, error = None, None, None
-    if rt.is_main:
-        try:
-            index, path, key = _main_rank_index(cfg, split)
-            where = (str(path), key)
-        except ConfigError as e:
-            error = str(e)
-    where, error = broadcast_object((where, error))
-    if error:
-        raise ConfigError(error)
     folder = split_folder(cfg, split)
-    if not rt.is_main:
-        contents = read_cache(Path(where[0]), where[1])
-        index = FolderIndex.from_dict(folder, contents) if contents else None
-    if any_rank(index is None):  # a rank that cannot see the cache: rank 0 sends the index
-        sent = broadcast_object(index.to_dict() if rt.is_main else None)
-        index = index or FolderIndex.from_dict(folder, sent)
-    return index
+
+    def locate() -> tuple[Path, str, Callable[[], dict]]:
+        dirs = class_folders(folder, f"data.{split}_dir")
+        path = cache_path(cfg.root, f"imagefolder-{folder.name}.pt")
+        return path, folder_key(folder, dirs), lambda: scan(folder, dirs).to_dict()
+
+    return FolderIndex.from_dict(folder, shared_cache(rt, locate))
 
 
 def match_channels(image: torch.Tensor, channels: int, where: str) -> torch.Tensor:

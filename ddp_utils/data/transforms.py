@@ -90,14 +90,22 @@ class SeededTransform(Dataset):
     def __len__(self) -> int:
         return len(self.source)
 
-    def __getitem__(self, key: int | tuple[int, int]) -> tuple[torch.Tensor, int]:
+    def __getitem__(self, key: int | tuple[int, int]) -> tuple[torch.Tensor, Any]:
         epoch, index = key if isinstance(key, tuple) else (0, key)
         real = index >= 0
         index = index if real else ~index
-        image, label = self.source[index]
+        image, target = self.source[index]
         with torch.random.fork_rng(devices=[]):
             # The CPU generator alone: torch.manual_seed would also queue a seed for every
             # CUDA device, at a cost of milliseconds per sample.
             torch.default_generator.manual_seed(sample_seed(self.seed, epoch, index))
-            image = self.transform(image)
-        return image, label if real else IGNORE_LABEL
+            image, target = self.apply(image, target)
+        return image, target if real else self.ignored(target)
+
+    def apply(self, image: torch.Tensor, target: Any) -> tuple[torch.Tensor, Any]:
+        """The seeded transform of one sample (the image alone; a pair subclass moves both)."""
+        return self.transform(image), target
+
+    def ignored(self, target: Any) -> Any:
+        """A padding duplicate's target: nothing of it is counted."""
+        return IGNORE_LABEL
