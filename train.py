@@ -4,6 +4,8 @@ One process (world size 1):
     python train.py
 One node, 8 processes:
     torchrun --standalone --nproc_per_node=8 train.py optim.lr=0.1 data=mnist
+Semantic segmentation (the embedded recipe; or data=segfolder data.root=DIR, data=voc):
+    torchrun --standalone --nproc_per_node=2 train.py experiment=digits_segmentation
 A sweep, every job on all ranks (or each job as its own torchrun job):
     torchrun --standalone --nproc_per_node=2 train.py -m optim.lr=0.1,0.01
     python train.py -m hydra/launcher=torchrun hydra.launcher.nproc_per_node=2 optim.lr=0.1,0.01

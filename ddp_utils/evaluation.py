@@ -110,9 +110,25 @@ def run_eval(cfg: DictConfig, implied: Sequence[str] = ()) -> dict[str, Any]:
         close_loader(loader)
     result.update(world_size=rt.world_size, checkpoint=str(checkpoint), ema=cfg.ema,
                   monitor=train_cfg.task.monitor)  # fmt: skip
+    if classes is not None:
+        result["classes"] = classes  # the names of the per-class vectors, in their order
     output = Path(cfg.output) if cfg.output else default_output(checkpoint)
     write_report(result, output, f"{data.name}/{data.split}", rt)
+    draw_predictions(task, model, loader, preprocess, rt, classes, output.parent)
     return result
+
+
+def draw_predictions(task, model, loader, preprocess, rt: Runtime, classes, out_dir: Path) -> None:
+    """The main rank draws the task's picture of predictions beside the report."""
+    if not rt.is_main:
+        return
+    try:
+        path = task.draw(model, loader.dataset, preprocess, rt.device, classes, out_dir)
+    except OSError as e:
+        log.warning("predictions not drawn: %s", e.strerror or e)
+        return
+    if path is not None:
+        log.info("  predictions drawn into %s", path)
 
 
 def model_weights(ckpt: dict[str, Any], checkpoint: Path, ema: bool) -> dict[str, Any]:
@@ -163,9 +179,11 @@ def write_report(result: dict[str, Any], output: Path, what: str, rt: Runtime) -
     ]
     numbers = {k: v for k, v in scalars(result).items() if k not in REPORT_COUNTS}
     lines += [f"  {key:<10} {value:.4f}" for key, value in numbers.items()]
-    if "per_class_accuracy" in result:
-        per_class = "  ".join(f"{i}:{a:.3f}" for i, a in enumerate(result["per_class_accuracy"]))
-        lines.append(f"  per class  {per_class}")
+    for key in ("per_class_accuracy", "per_class_iou"):
+        if key in result:
+            names = result.get("classes") or range(len(result[key]))
+            per_class = "  ".join(f"{n}:{a:.3f}" for n, a in zip(names, result[key], strict=True))
+            lines.append(f"  {key}  {per_class}")
     drawn = " (and confusion_matrix.png)" if "confusion_matrix" in result else ""
     lines.append(f"  written to {output}{drawn}")
     log.info("\n".join(lines))

@@ -113,7 +113,8 @@ def evaluate(
     was_training = model.training
     model.eval()
     metrics.reset()
-    totals = torch.zeros(3, dtype=torch.float64, device=rt.device)  # loss sum, samples, skipped
+    # loss sum, its count (samples, or pixels), skipped images, samples
+    totals = torch.zeros(4, dtype=torch.float64, device=rt.device)
     beat = watchdog.beat if watchdog is not None else lambda phase: None
     beat("val")
     for images, labels in loader:
@@ -123,15 +124,19 @@ def evaluate(
         batch = Batch(inputs, torch.where(bad, IGNORE_LABEL, labels), all_real=not skip_bad)
         with amp():
             loss_sum, n = task.eval_step(model, batch, metrics)
-        totals += torch.stack([loss_sum.double(), n.double(), bad.sum().double()])
+        # Evaluation shards hold no padding: every row is a sample, but for a skipped image.
+        n_bad = bad.reshape(len(labels), -1).all(1).sum()
+        totals += torch.stack([loss_sum.double(), n.double(), n_bad.double(),
+                               (len(labels) - n_bad).double()])  # fmt: skip
         beat("val")
     if watchdog is not None:
         watchdog.disarm()
     computed = metrics.compute()  # torchmetrics' sync: every rank reaches it
-    loss_sum, n, skipped = all_reduce_sum(totals).tolist()
+    loss_sum, n, skipped, samples = all_reduce_sum(totals).tolist()
     model.train(was_training)
     result: dict[str, Any] = {name: _plain(value) for name, value in computed.items()}
-    result |= {"loss": loss_sum / max(n, 1), "num_samples": int(n), "skipped_images": int(skipped)}
+    result |= {"loss": loss_sum / max(n, 1), "num_samples": int(samples),
+               "skipped_images": int(skipped)}  # fmt: skip
     expected = len(loader.dataset)
     if result["num_samples"] + result["skipped_images"] != expected:
         raise CountMismatchError(

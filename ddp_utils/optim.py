@@ -70,6 +70,9 @@ def lr_factor(
         floor = cfg.min_lr / base_lr
         progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
         return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    if cfg.name == "poly":  # the segmentation references': (1 - progress) ** 0.9
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        return (1.0 - progress) ** cfg.power
     if cfg.name == "step":
         return cfg.gamma ** (step // (cfg.step_epochs * steps_per_epoch))
     return 1.0

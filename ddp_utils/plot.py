@@ -1,4 +1,4 @@
-"""Pictures of runs: loss and accuracy curves, and a confusion matrix.
+"""Pictures of runs: loss and accuracy curves, a confusion matrix, segmentation predictions.
 
     python -m ddp_utils.plot RUN_DIR [RUN_DIR ...] [--out curves_compared.png]
 
@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+
+import numpy as np
 
 # A bare Figure draws to files with the Agg canvas: no pyplot, no display, no global figure
 # state, and a quarter second less to import at the end of every run.
@@ -106,6 +108,54 @@ def plot_confusion_matrix(matrix: list[list[int]], out: Path) -> Path:
            title="confusion matrix")  # fmt: skip
     fig.tight_layout()
     fig.savefig(out, dpi=100)
+    return out
+
+
+def palette(n: int) -> np.ndarray:
+    """A fixed colour per class id (the bit-interleaving palette of Pascal VOC: class 0 black,
+    the same colours in every picture), as floats in [0, 1]; ignored pixels are white."""
+    colours = np.zeros((n + 1, 3))
+    for c in range(n):
+        r = g = b = 0
+        cid = c
+        for bit in range(8):
+            r |= ((cid >> 0) & 1) << (7 - bit)
+            g |= ((cid >> 1) & 1) << (7 - bit)
+            b |= ((cid >> 2) & 1) << (7 - bit)
+            cid >>= 3
+        colours[c] = (r / 255, g / 255, b / 255)
+    colours[n] = (1.0, 1.0, 1.0)
+    return colours
+
+
+def plot_predictions(images, truths, preds, classes: list[str], out: Path) -> Path:
+    """One row per image: the image, its true mask and the predicted one, in ``palette``
+    colours, with a legend of the classes shown (``truths`` use a negative id for ignored)."""
+    from matplotlib.patches import Patch
+
+    n, colours = len(images), palette(len(classes))
+    fig = Figure(figsize=(7.5, 2.4 * n + 0.8))
+    axes = fig.subplots(n, 3, squeeze=False)
+    shown: set[int] = set()
+    for row, (image, truth, pred) in enumerate(zip(images, truths, preds, strict=True)):
+        picture = image.permute(1, 2, 0).numpy()
+        axes[row, 0].imshow(picture[..., 0] if picture.shape[-1] == 1 else picture,
+                            cmap="gray", vmin=0, vmax=255)  # fmt: skip
+        truth, pred = truth.numpy(), pred.numpy()
+        counted = (truth >= 0) & (truth < len(classes))
+        shown |= set(np.unique(truth[counted]).tolist()) | set(np.unique(pred).tolist())
+        axes[row, 1].imshow(colours[np.where(counted, truth, len(classes))])
+        axes[row, 2].imshow(colours[pred])
+        for col, title in enumerate(("image", "truth", "prediction")):
+            axes[row, col].set_axis_off()
+            if row == 0:
+                axes[row, col].set_title(title)
+    handles = [Patch(color=colours[c], label=classes[c]) for c in sorted(shown)]
+    handles.append(Patch(facecolor="white", edgecolor="grey", label="ignored"))
+    fig.legend(handles=handles, loc="lower center", ncol=min(6, len(handles)), fontsize=8)
+    fig.subplots_adjust(left=0.02, right=0.98, top=0.95, bottom=0.8 / (2.4 * n + 0.8) + 0.02,
+                        wspace=0.05, hspace=0.08)  # fmt: skip
+    fig.savefig(out, dpi=80)
     return out
 
 

@@ -49,3 +49,42 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
+
+
+def conv_bn(c_in: int, c_out: int, stride: int = 1) -> nn.Sequential:
+    return nn.Sequential(
+        nn.Conv2d(c_in, c_out, kernel_size=3, stride=stride, padding=1, bias=False),
+        nn.BatchNorm2d(c_out),
+        nn.ReLU(inplace=True),
+    )
+
+
+class SegConvNet(nn.Module):
+    """A small encoder-decoder for segmentation: stage ``k`` works at 1/2**k of the input
+    (two 3x3 conv blocks, the first strided), the decoder upsamples each stage and adds the
+    one above it (a U-Net with sums), and a 1x1 convolution scores every pixel at the input's
+    size. Inputs whose sides do not divide by 2**(stages-1) are fine: each upsampling goes to
+    the skip's own size."""
+
+    def __init__(self, in_channels: int, num_classes: int, channels: list[int] = (32, 64, 96)):
+        super().__init__()
+        stages, c_in = [], in_channels
+        for k, c in enumerate(channels):
+            stages.append(nn.Sequential(conv_bn(c_in, c, stride=1 if k == 0 else 2), conv_bn(c, c)))
+            c_in = c
+        self.stages = nn.ModuleList(stages)
+        self.lateral = nn.ModuleList(
+            nn.Conv2d(hi, lo, kernel_size=1) for lo, hi in zip(channels, channels[1:], strict=False)
+        )
+        self.head = nn.Conv2d(channels[0], num_classes, kernel_size=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        skips = []
+        for stage in self.stages:
+            x = stage(x)
+            skips.append(x)
+        for skip, lateral in zip(reversed(skips[:-1]), reversed(self.lateral), strict=True):
+            x = skip + nn.functional.interpolate(
+                lateral(x), size=skip.shape[-2:], mode="bilinear", align_corners=False
+            )
+        return self.head(x)

@@ -1,4 +1,5 @@
-"""Model zoos as targets: any classification model of torchvision, or of timm when installed."""
+"""Model zoos as targets: any classification or segmentation model of torchvision, or a
+classification model of timm when installed."""
 
 from __future__ import annotations
 
@@ -70,3 +71,61 @@ def timm_model(arch: str, num_classes: int, in_channels: int) -> nn.Module:
     if arch not in names:
         raise _unknown(arch, names, "timm")
     return timm.create_model(arch, pretrained=False, num_classes=num_classes, in_chans=in_channels)
+
+
+def torchvision_seg_model(
+    arch: str, num_classes: int, in_channels: int, aux_loss: bool = False,
+    weights_backbone: str | None = None,
+) -> nn.Module:  # fmt: skip
+    """``torchvision.models.get_model(arch, weights=None, num_classes=..., aux_loss=...)`` of
+    ``torchvision.models.segmentation``, its backbone loaded from a local state dict
+    (``model.weights_backbone``, a classifier's: the head's keys are left out), and its first
+    convolution adapted to ``in_channels``."""
+    from torchvision.models import segmentation
+
+    names = torchvision.models.list_models(module=segmentation)
+    if arch not in names:
+        raise ConfigError(
+            f"model.arch={arch} is not a segmentation model of torchvision; pick one of "
+            f"{', '.join(names)}."
+        )
+    extra = {"aux_loss": True} if aux_loss else {}
+    try:
+        model = torchvision.models.get_model(arch, weights=None, weights_backbone=None,
+                                             num_classes=num_classes, **extra)  # fmt: skip
+    except (TypeError, ValueError, NotImplementedError) as e:
+        raise ConfigError(
+            f"model.arch={arch} with model.aux_loss={aux_loss}: {e}. Set model.aux_loss=false "
+            "for it."
+        ) from None
+    if weights_backbone:
+        load_backbone(model.backbone, weights_backbone)
+    if in_channels != 3:
+        adapt_stem(model, in_channels, image_size=SMALL_IMAGE + 1)  # channels only
+    return model
+
+
+def load_backbone(backbone: nn.Module, path: str) -> None:
+    """A local state dict into a segmentation model's backbone; the classifier's own keys
+    (fc., classifier.) that the backbone lacks are ignored, any other mismatch refused."""
+    import torch
+
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError) as e:
+        raise ConfigError(f"model.weights_backbone={path} cannot be loaded ({e}).") from None
+    if isinstance(state, dict) and isinstance(state.get("model"), dict):
+        state = state["model"]
+    own = backbone.state_dict()
+    # A mobilenet's segmentation backbone is the classifier's `features`, renumbered from 0.
+    state = {k.removeprefix("features.") if k.removeprefix("features.") in own else k: v
+             for k, v in state.items()}  # fmt: skip
+    state = {k: v for k, v in state.items() if k in own or not k.startswith(("fc.", "classifier."))}
+    result = backbone.load_state_dict(state, strict=False)
+    if result.missing_keys or result.unexpected_keys:
+        raise ConfigError(
+            f"model.weights_backbone={path} does not fit the backbone of this model: missing "
+            f"{sorted(result.missing_keys)[:4]}, unexpected {sorted(result.unexpected_keys)[:4]}."
+            " Give the state dict of the classifier it is built on (resnet50 for "
+            "deeplabv3_resnet50, say)."
+        )

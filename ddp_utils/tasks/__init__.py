@@ -15,7 +15,7 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from torch import nn
 
-from ddp_utils.config import ConfigError, TrainConfig
+from ddp_utils.config import ConfigError, SegmentationData, TrainConfig, own_keys
 from ddp_utils.models import memory_format_of
 from ddp_utils.models.probe import PROBE_BATCH, blank_images, check_logits, eval_mode, size_error
 from ddp_utils.targets import target_arguments, why
@@ -42,10 +42,12 @@ def build_task(cfg: TrainConfig) -> Task:
                 f"{', '.join(used)} only apply to task=classification (this is task={t.name}); "
                 "set them to 0."
             )
+    check_pairing(cfg)
     offered: dict[str, Any] = {
         "num_classes": cfg.data.num_classes, "in_channels": cfg.data.in_channels,
         "image_size": cfg.data.image_size,
     }  # fmt: skip
+    offered |= {k: getattr(t, k) for k in own_keys(type(t), "task") if k != "kwargs"}
     if t.name == "classification":
         from ddp_utils.tasks.classification import build_mixing
 
@@ -67,6 +69,23 @@ def build_task(cfg: TrainConfig) -> Task:
             "eval_step(model, batch, metrics) (the README's custom task shows both)."
         )
     return task
+
+
+def check_pairing(cfg: TrainConfig) -> None:
+    """Masks need a per-pixel task and a per-pixel task needs masks."""
+    masks = isinstance(cfg.data, SegmentationData)
+    if cfg.task.name == "segmentation" and not masks:
+        raise ConfigError(
+            f"task=segmentation needs image/mask data: data=segfolder | voc | digits_seg | "
+            f"mnist_seg (this is data={cfg.data.name}); experiment=digits_segmentation sets "
+            "all of it."
+        )
+    if masks and cfg.task.name == "classification":
+        raise ConfigError(
+            f"data={cfg.data.name} holds masks: train it with task=segmentation (and a "
+            "segmentation model: model=seg_convnet | torchvision_seg), or start from "
+            "experiment=digits_segmentation."
+        )
 
 
 class _NamedUpdates:
@@ -114,11 +133,12 @@ def check_task(
 
     def check(out: Any) -> None:
         if expected is not None:
-            check_logits(out, cfg.model, cfg.data, expected, task.output_keys())
+            check_logits(task.logits(out), cfg.model, cfg.data, expected, task.output_keys())
 
     checked = _Checked(model, check)
     inputs = blank_images(cfg.data, cfg.data.image_size, device, memory_format)
-    batch = Batch(inputs, torch.zeros(PROBE_BATCH, dtype=torch.long, device=device), True)
+    target = task.blank_target(PROBE_BATCH, cfg.data.image_size, device)
+    batch = Batch(inputs, target, True)
     try:
         with eval_mode(model):
             task.eval_step(checked, batch, _NamedUpdates(metrics))

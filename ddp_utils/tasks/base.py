@@ -8,6 +8,7 @@ know nothing of the task; they call ``train_loss`` for every micro-batch and eva
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,8 +33,15 @@ class Batch:
         return self.target != IGNORE_LABEL
 
     def count(self) -> torch.Tensor:
-        """The number of real rows, on the device (no host sync)."""
+        """The number of real rows (real pixels for a mask target), on the device."""
         return self.real.sum()
+
+    def num_samples(self) -> torch.Tensor:
+        """The number of real samples: rows with any real target value (a padding
+        duplicate's mask is ignored throughout), on the device."""
+        if self.target.ndim == 1:
+            return self.real.sum()
+        return self.real.reshape(len(self.target), -1).any(1).sum()
 
     def select(self, x: torch.Tensor) -> torch.Tensor:
         """``x``'s real rows (for metrics; a host sync unless ``all_real``)."""
@@ -52,9 +60,10 @@ class Task:
     - ``metrics()``: the default metrics, name -> a ``torchmetrics.Metric`` or a
       ``{_target_: ...}`` mapping; ``task.metrics`` adds to them. ``task.monitor`` names the one
       that picks best.pt (``loss`` is always there).
-    - ``output_shape(n)``: the model's output shape for ``n`` images, checked before the first
-      step; None skips the check. ``num_outputs()``: the model's ``num_classes`` argument
-      (None: ``data.num_classes``), one for a regression, say.
+    - ``output_shape(n)``: the model's output shape for ``n`` images (of ``logits(out)``),
+      checked before the first step on ``blank_target`` targets; None skips the check.
+      ``num_outputs()``: the model's ``num_classes`` argument (None: ``data.num_classes``),
+      one for a regression, say. ``draw(...)``: a picture of predictions (segmentation's).
     """
 
     def train_loss(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,3 +87,18 @@ class Task:
     def output_keys(self) -> str:
         """The config keys that decide ``output_shape``, for its error message."""
         return "the task"
+
+    def logits(self, out: Any) -> Any:
+        """The part of the model's output that ``output_shape`` describes (a segmentation
+        model's dict: its ``out``)."""
+        return out
+
+    def blank_target(self, n: int, size: int, device: torch.device) -> torch.Tensor:
+        """A target for ``n`` blank images of ``size`` pixels (the check before training)."""
+        return torch.zeros(n, dtype=torch.long, device=device)
+
+    def draw(self, model: nn.Module, dataset: Any, preprocess: nn.Module, device: torch.device,
+             classes: list[str] | None, out_dir: Path) -> Path | None:  # fmt: skip
+        """A picture of the model's predictions in ``out_dir`` (main rank, after training and
+        in eval.py); None draws nothing."""
+        return None
