@@ -40,3 +40,25 @@ class Broken(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(x.flatten(1))[:, :, None].squeeze(3)
+
+
+class DictSegNet(nn.Module):
+    """A user's segmentation model answering as torchvision's do: ``{"out": (N, C, H, W)}``."""
+
+    def __init__(self, in_channels: int, num_classes: int):
+        super().__init__()
+        self.conv = nn.Conv2d(in_channels, num_classes, kernel_size=3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"out": self.conv(x)}
+
+
+class PooledSegNet(nn.Module):
+    """A segmentation model that forgets to upsample: its scores are at half the size."""
+
+    def __init__(self, in_channels: int, num_classes: int):
+        super().__init__()
+        self.conv = nn.Conv2d(in_channels, num_classes, kernel_size=3, stride=2, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x)

@@ -1,0 +1,108 @@
+"""Segmentation end to end with real processes: eval.py's numbers identical at world sizes 1,
+2 and 3 on images of different sizes, a SIGKILLed rank resumed to the same parameters, a
+resume at another world size, pictures, and a bad folder's one-paragraph error."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from callbacks import both, fault, recorder
+from conftest import (
+    assert_same_params,
+    params,
+    read_metrics,
+    recorded_samples,
+    run_forked,
+    run_script,
+)
+from segfolders import VAL_SIZES, seg_args, write_seg_folder
+
+# The embedded canvases with random resized crops, small and fast: 45 steps an epoch at 2
+# processes.
+DIGITS = ("experiment=digits_segmentation", "model.channels=[8,16]", "data.batch_size=16",
+          "data.augment=true", "trainer.epochs=2", "trainer.ckpt_every_steps=10",
+          "trainer.precision=32", "logger=none")  # fmt: skip
+N_TRAIN = 1438
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    root = write_seg_folder(tmp_path_factory.mktemp("segfolder"))
+    run = tmp_path_factory.mktemp("segrun")
+    run_script("train.py", *seg_args(root, "trainer.epochs=2", "logger=none"), f"run_dir={run}")
+    return root, run
+
+
+def test_eval_gives_the_same_numbers_at_world_sizes_1_2_3(trained, tmp_path):
+    root, run = trained
+    assert (run / "predictions.png").stat().st_size > 0
+    assert read_metrics(run)[-1]["val/num_samples"] == len(VAL_SIZES)
+    reports = {}
+    for ws in (1, 2, 3):
+        out = tmp_path / f"eval{ws}" / "eval.json"
+        run_script("eval.py", f"checkpoint={run}/checkpoints/last.pt", f"output={out}",
+                   nproc=None if ws == 1 else ws)  # fmt: skip
+        reports[ws] = json.loads(out.read_text())
+    one = reports[1]
+    assert one["num_samples"] == 7 and one["classes"] == ["background", "red", "green", "blue"]
+    assert len(one["per_class_iou"]) == 4 and len(one["confusion_matrix"]) == 4
+    for ws in (2, 3):
+        r = reports[ws]
+        assert r["world_size"] == ws
+        for key in ("miou", "pixel_accuracy", "per_class_iou", "confusion_matrix", "num_samples"):
+            assert r[key] == one[key], (ws, key)
+        assert r["loss"] == pytest.approx(one["loss"], rel=1e-6)
+    # Pixels: every counted pixel of the truth once (the first row of each mask is ignored).
+    counted = sum(h * w - w for h, w in VAL_SIZES)
+    assert sum(map(sum, one["confusion_matrix"])) == counted
+    assert (tmp_path / "eval1" / "predictions.png").stat().st_size > 0
+    # Training's last validation is eval.py's: the same convention, the same numbers.
+    last = read_metrics(run)[-1]
+    assert last["val/miou"] == pytest.approx(one["miou"], abs=1e-6)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    run = tmp_path_factory.mktemp("seg_reference")
+    run_script("train.py", *DIGITS, f"run_dir={run}", nproc=2)
+    return run
+
+
+def test_sigkill_mid_epoch_then_elastic_restart_matches_uninterrupted(reference, tmp_path):
+    proc = run_script("train.py", *DIGITS, f"run_dir={tmp_path}", fault("kill", 57, 1),
+                      nproc=2, launcher=("--max-restarts=1",))  # fmt: skip
+    assert "failed (exitcode:" in proc.stderr
+    log = (tmp_path / "train.log").read_text()
+    assert log.count("| world size 2 |") == 2 and "resumed from" in log
+    assert_same_params(params(tmp_path), params(reference))
+    assert [r["step"] for r in read_metrics(tmp_path)] == [45, 90]
+
+
+def test_resume_at_another_world_size_sees_each_sample_once(tmp_path):
+    base = tmp_path / "base"
+    proc = run_script("train.py", *DIGITS, f"run_dir={base}/run", both("kill", 57, 0, base),
+                      nproc=2, check=False)  # fmt: skip
+    assert proc.returncode != 0
+    ckpt = torch.load(base / "run" / "checkpoints" / "last.pt", weights_only=True)
+    assert (ckpt["epoch"], ckpt["step"]) == (1, 50) and ckpt["sample_offset"] == 5 * 32
+    run, rec = tmp_path / "run_w3", tmp_path / "rec"
+    shutil.copytree(base / "run", run)
+    rec.mkdir()
+    run_script("train.py", *DIGITS, f"run_dir={run}", recorder(rec), nproc=3)
+    before = recorded_samples(base, epoch=1, max_step=ckpt["step"])
+    seen = before + recorded_samples(rec, epoch=1)
+    assert sum(before.values()) == ckpt["sample_offset"]
+    assert set(seen) == set(range(N_TRAIN)) and set(seen.values()) == {1}
+
+
+def test_a_bad_folder_is_one_paragraph_and_exit_2_before_training(tmp_path):
+    root = write_seg_folder(tmp_path / "data", n_train=4, val_sizes=[(20, 20)])
+    (root / "train" / "masks" / "002.png").unlink()
+    proc = run_forked("train.py", *seg_args(root), f"run_dir={tmp_path / 'run'}")
+    assert proc.returncode == 2, proc.stderr
+    assert "1 images without a mask" in proc.stderr and "002.png" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "run").exists()
