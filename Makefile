@@ -7,7 +7,7 @@ NPROC  ?= 2
 ARGS   ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install train test lint format clean bench bench-gpu bench-data bench-peer bench-profile recipes
+.PHONY: help install train test lint format clean bench bench-gpu bench-data bench-seg bench-peer bench-profile recipes
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -34,6 +34,10 @@ bench-gpu: $(STAMP)  ## the same on a CUDA GPU, plus bf16 and torch.compile
 bench-data: $(STAMP)  ## input pipeline: image folder of JPEGs, train.py vs the references' loader
 	$(BIN)/python -c "import skimage" 2>/dev/null || $(BIN)/python -m pip install -q -e '.[bench]'
 	$(BIN)/python bench/bench_data.py
+
+bench-seg: $(STAMP)  ## segmentation input pipeline: data=segfolder vs the segmentation references' (a few minutes)
+	$(BIN)/python -c "import skimage" 2>/dev/null || $(BIN)/python -m pip install -q -e '.[bench]'
+	$(BIN)/python bench/bench_seg.py $(ARGS)
 
 bench-peer: $(STAMP)  ## whole runs: train.py vs a references-style loop, 3 pairs of 3 epochs (~20 min on 2 cores)
 	$(BIN)/python bench/peer.py $(ARGS)

@@ -12,11 +12,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from ddp_utils.config import ImageFolderData, TrainerConfig  # noqa: E402
-from ddp_utils.data import build_data, imagefolder  # noqa: E402
+from ddp_utils.data import build_data, cache, imagefolder  # noqa: E402
 from ddp_utils.dist import init_distributed, shutdown  # noqa: E402
 
 counts = {"scans": 0, "cache_reads": 0}
-real_scan, real_read = imagefolder.scan, imagefolder.read_cache
+real_scan, real_read = imagefolder.scan, cache.read_cache
 
 
 def counting_scan(*args):
@@ -29,7 +29,7 @@ def counting_read(*args):
     return real_read(*args)
 
 
-imagefolder.scan, imagefolder.read_cache = counting_scan, counting_read
+imagefolder.scan, cache.read_cache = counting_scan, counting_read
 
 if __name__ == "__main__":
     root, out = sys.argv[1], Path(sys.argv[2])

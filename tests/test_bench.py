@@ -59,3 +59,24 @@ def test_profile_summary_splits_rank_0s_samples_by_phase(tmp_path):
     ours = profile_summary.phases(tmp_path / "ours_py_spy.txt", "train.py")
     theirs = profile_summary.phases(tmp_path / "theirs_py_spy.txt", "bench/peer_reference.py")
     assert ours == {"imports": 2.0, "step: backward": 5.0} and theirs == {"validation": 1.0}
+
+
+def test_bench_seg_sides_make_the_same_batches_of_the_same_folder(tmp_path):
+    """make bench-seg's two pipelines on one folder: image and mask crops of one shape (its
+    rates are the benchmark's, not asserted here)."""
+    import bench_seg
+    import torch
+    from segfolders import write_seg_folder
+
+    from ddp_utils.data import IGNORE_LABEL
+
+    root = write_seg_folder(tmp_path, n_train=6)
+    (root / "classes.txt").unlink()  # the bench's folders have 21 classes and no names
+    theirs = next(iter(bench_seg.reference_loader(root, 0, 3, base=24, crop=16)))
+    loader, preprocess = bench_seg.ours_loader(root, 0, 3, 24, 16, torch.device("cpu"))
+    images, masks = next(iter(loader))
+    ours = (preprocess(images), masks)
+    for (a, b), pad in zip((theirs, ours), (255, IGNORE_LABEL), strict=True):
+        assert a.shape == (3, 3, 16, 16) and a.dtype == torch.float32
+        assert b.shape == (3, 16, 16) and b.dtype == torch.int64
+        assert set(b.unique().tolist()) <= {0, 1, 2, 3, pad}

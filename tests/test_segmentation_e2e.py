@@ -5,11 +5,10 @@ resume at another world size, pictures, and a bad folder's one-paragraph error."
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
-from callbacks import both, fault, recorder
+from callbacks import fault, recorder
 from conftest import (
     assert_same_params,
     params,
@@ -24,7 +23,7 @@ from segfolders import VAL_SIZES, seg_args, write_seg_folder
 # processes.
 DIGITS = ("experiment=digits_segmentation", "model.channels=[8,16]", "data.batch_size=16",
           "data.augment=true", "trainer.epochs=2", "trainer.ckpt_every_steps=10",
-          "trainer.precision=32", "logger=none")  # fmt: skip
+          "trainer.keep_last=10", "trainer.precision=32", "logger=none")  # fmt: skip
 N_TRAIN = 1438
 
 
@@ -66,8 +65,9 @@ def test_eval_gives_the_same_numbers_at_world_sizes_1_2_3(trained, tmp_path):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
+    """The uninterrupted run, its samples recorded (``rec``) and every step checkpoint kept."""
     run = tmp_path_factory.mktemp("seg_reference")
-    run_script("train.py", *DIGITS, f"run_dir={run}", nproc=2)
+    run_script("train.py", *DIGITS, f"run_dir={run}/run", recorder(run), nproc=2)
     return run
 
 
@@ -77,22 +77,20 @@ def test_sigkill_mid_epoch_then_elastic_restart_matches_uninterrupted(reference,
     assert "failed (exitcode:" in proc.stderr
     log = (tmp_path / "train.log").read_text()
     assert log.count("| world size 2 |") == 2 and "resumed from" in log
-    assert_same_params(params(tmp_path), params(reference))
+    assert_same_params(params(tmp_path), params(reference / "run"))
     assert [r["step"] for r in read_metrics(tmp_path)] == [45, 90]
 
 
-def test_resume_at_another_world_size_sees_each_sample_once(tmp_path):
-    base = tmp_path / "base"
-    proc = run_script("train.py", *DIGITS, f"run_dir={base}/run", both("kill", 57, 0, base),
-                      nproc=2, check=False)  # fmt: skip
-    assert proc.returncode != 0
-    ckpt = torch.load(base / "run" / "checkpoints" / "last.pt", weights_only=True)
+def test_resume_at_another_world_size_sees_each_sample_once(reference, tmp_path):
+    """The reference run's mid-epoch checkpoint of step 50, resumed by 3 processes."""
+    step_50 = reference / "run" / "checkpoints" / "step_00000050.pt"
+    ckpt = torch.load(step_50, weights_only=True)
     assert (ckpt["epoch"], ckpt["step"]) == (1, 50) and ckpt["sample_offset"] == 5 * 32
-    run, rec = tmp_path / "run_w3", tmp_path / "rec"
-    shutil.copytree(base / "run", run)
+    rec = tmp_path / "rec"
     rec.mkdir()
-    run_script("train.py", *DIGITS, f"run_dir={run}", recorder(rec), nproc=3)
-    before = recorded_samples(base, epoch=1, max_step=ckpt["step"])
+    run_script("train.py", *DIGITS, f"run_dir={tmp_path}/run", f"resume={step_50}",
+               recorder(rec), nproc=3)  # fmt: skip
+    before = recorded_samples(reference, epoch=1, max_step=ckpt["step"])
     seen = before + recorded_samples(rec, epoch=1)
     assert sum(before.values()) == ckpt["sample_offset"]
     assert set(seen) == set(range(N_TRAIN)) and set(seen.values()) == {1}
