@@ -3,7 +3,9 @@
 Each recipe trains at world size 2 on 3 disjoint held-out validation slices
 (``data.val_slice=0,1,2``: the rest of the images are the training set) with 3 seeds, at the
 default learning rate and at half and twice it, one torchrun sweep per (recipe, lr), and the
-table gives min / mean / max of the final ``val/accuracy``. MNIST rows need the images of
+table gives min / mean / max of the final ``val/accuracy`` (``val/miou`` for the segmentation
+recipe, at its own learning rate only, with ``--seg-seeds`` seeds: each run is minutes).
+``--only TEXT`` runs the recipes whose name holds TEXT. MNIST rows need the images of
 ../shared/data/mnist10k (8,000 + 2,000 pooled into 10,000; slices of 2,000). Writes
 bench/results/recipes.json and prints a Markdown table.
 """
@@ -21,8 +23,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 MNIST = ROOT.parent / "shared" / "data" / "mnist10k"
 DEFAULT_LR = 0.1
+SEG_LR = 0.1  # experiment=digits_segmentation's
 RECIPES = {
     "digits (default, 10 epochs)": [],
+    "digits segmentation (experiment=digits_segmentation, 24 epochs)": [
+        "experiment=digits_segmentation",
+    ],
     "MNIST (data=mnist, 10 epochs)": ["data=mnist", f"data.root={MNIST}"],
     "MNIST tutorial (experiment=mnist_convnet, 2 epochs)": [
         "experiment=mnist_convnet", f"data.root={MNIST}",
@@ -30,43 +36,47 @@ RECIPES = {
 }  # fmt: skip
 
 
-def sweep(overrides: list[str], folder: Path) -> list[float]:
+def sweep(overrides: list[str], folder: Path, metric: str, seeds: str = "0,1,2") -> list[float]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "train.py"), "-m", *overrides, "data.val_slice=0,1,2", "seed=0,1,2",
+           str(ROOT / "train.py"), "-m", *overrides, "data.val_slice=0,1,2", f"seed={seeds}",
            "logger=none", f"hydra.sweep.dir={folder}"]  # fmt: skip
     subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT)
     rows = list(csv.DictReader((folder / "summary.csv").open()))
     assert all(r["status"] == "COMPLETED" for r in rows), rows
-    return [float(r["val/accuracy"]) for r in rows]
+    return [float(r[metric]) for r in rows]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lr-factors", type=float, nargs="+", default=[1.0, 0.5, 2.0])
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "recipes.json")
+    parser.add_argument("--only", default="", help="run the recipes whose name holds this")
+    parser.add_argument("--seg-seeds", default="0,1,2", help="the segmentation recipe's seeds")
     args = parser.parse_args()
     have_mnist = (MNIST / "MNIST" / "raw" / "train-images-idx3-ubyte").is_file()
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, overrides in RECIPES.items():
+            if args.only not in name:
+                continue
             if "MNIST" in name and not have_mnist:
                 print(f"skipping {name}: no MNIST images at {MNIST}")
                 continue
-            for factor in args.lr_factors:
-                lr = DEFAULT_LR * factor
+            seg = "segmentation" in name
+            metric, seeds = ("val/miou", args.seg_seeds) if seg else ("val/accuracy", "0,1,2")
+            for lr in [SEG_LR] if seg else [DEFAULT_LR * f for f in args.lr_factors]:
                 folder = Path(tmp) / f"{len(results)}"
-                acc = sweep([*overrides, f"optim.lr={lr:g}"], folder)
-                results.append({"recipe": name, "lr": lr, "accuracies": acc})
+                acc = sweep([*overrides, f"optim.lr={lr:g}"], folder, metric, seeds)
+                results.append({"recipe": name, "lr": lr, "metric": metric, "accuracies": acc})
                 print(f"{name}, lr {lr:g}: min {min(acc):.4f} max {max(acc):.4f}", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2))
-    print(
-        "\n| recipe | optim.lr | val/accuracy min | mean | max |\n| --- | --- | --- | --- | --- |"
-    )
+    print("\n| recipe | optim.lr | metric | min | mean | max | runs |\n"
+          "| --- | --- | --- | --- | --- | --- | --- |")  # fmt: skip
     for r in results:
         a = r["accuracies"]
-        print(f"| {r['recipe']} | {r['lr']:g} | {100 * min(a):.2f}% | "
-              f"{100 * sum(a) / len(a):.2f}% | {100 * max(a):.2f}% |")  # fmt: skip
+        print(f"| {r['recipe']} | {r['lr']:g} | {r['metric']} | {100 * min(a):.2f}% | "
+              f"{100 * sum(a) / len(a):.2f}% | {100 * max(a):.2f}% | {len(a)} |")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Segmentation end to end with real processes: eval.py's numbers identical at world sizes 1,
 2 and 3 on images of different sizes, a SIGKILLed rank resumed to the same parameters, a
-resume at another world size, pictures, and a bad folder's one-paragraph error."""
+resume at another world size (2 -> 1; 2 -> 3 is tested for the classification paths),
+pictures, and a bad folder's one-paragraph error."""
 
 from __future__ import annotations
 
@@ -82,14 +83,14 @@ def test_sigkill_mid_epoch_then_elastic_restart_matches_uninterrupted(reference,
 
 
 def test_resume_at_another_world_size_sees_each_sample_once(reference, tmp_path):
-    """The reference run's mid-epoch checkpoint of step 50, resumed by 3 processes."""
+    """The reference run's mid-epoch checkpoint of step 50 (2 processes), resumed by one."""
     step_50 = reference / "run" / "checkpoints" / "step_00000050.pt"
     ckpt = torch.load(step_50, weights_only=True)
     assert (ckpt["epoch"], ckpt["step"]) == (1, 50) and ckpt["sample_offset"] == 5 * 32
     rec = tmp_path / "rec"
     rec.mkdir()
     run_script("train.py", *DIGITS, f"run_dir={tmp_path}/run", f"resume={step_50}",
-               recorder(rec), nproc=3)  # fmt: skip
+               recorder(rec))  # fmt: skip
     before = recorded_samples(reference, epoch=1, max_step=ckpt["step"])
     seen = before + recorded_samples(rec, epoch=1)
     assert sum(before.values()) == ckpt["sample_offset"]

@@ -303,3 +303,19 @@ def test_a_custom_segmentation_model_returns_a_tensor_or_a_dict_with_out(target,
     target_mask = torch.randint(0, 11, (2, 32, 32))
     loss, count = task.train_loss(model, Batch(torch.randn(2, 1, 32, 32), target_mask))
     assert count == 2 * 32 * 32 and loss.requires_grad
+
+
+def test_a_folder_is_scanned_once_then_its_index_is_read_from_the_cache(tmp_path, monkeypatch):
+    from ddp_utils.data.segmentation import folders
+
+    root = write_seg_folder(tmp_path, n_train=3, val_sizes=[(20, 20)])
+    scans = []
+    real = folders.scan_pairs
+    monkeypatch.setattr(folders, "scan_pairs", lambda *a: scans.append(a) or real(*a))
+    first = seg_source(folder_cfg(root), "train", RT)
+    again = seg_source(folder_cfg(root), "train", RT)
+    assert len(scans) == 1 and (root / ".ddp_recipes_cache" / "segfolder-train.pt").is_file()
+    assert torch.equal(first.sizes, again.sizes) and len(again) == 3
+    Image.new("L", (24, 24)).save(root / "train" / "masks" / "003.png")  # a change: rescanned
+    with pytest.raises(ConfigError, match="1 masks without an image"):
+        seg_source(folder_cfg(root), "train", RT)

@@ -104,17 +104,22 @@ def pair_folder(cfg: SegmentationData, split: str) -> Path:
     return Path(cfg.root) / (cfg.train_dir if split == "train" else cfg.val_dir)
 
 
-def list_pairs(split_dir: Path, key: str) -> list[tuple[str, str]]:
-    """``images/<stem>.<ext>`` with ``masks/<stem>.png``, sorted by stem; unmatched files of
-    either side are one error."""
-    layout = "<split>/images/<stem>.<jpg|png|...> with <split>/masks/<stem>.png"
-    images_dir, masks_dir = split_dir / "images", split_dir / "masks"
-    for d in (images_dir, masks_dir):
+LAYOUT = "<split>/images/<stem>.<jpg|png|...> with <split>/masks/<stem>.png"
+
+
+def check_layout(split_dir: Path, key: str) -> None:
+    for d in (split_dir / "images", split_dir / "masks"):
         if not d.is_dir():
             raise ConfigError(
-                f"{key}: the folder {d} does not exist. data=segfolder reads {layout} under "
+                f"{key}: the folder {d} does not exist. data=segfolder reads {LAYOUT} under "
                 f"data.root={split_dir.parent}; create it, or point {key} at your folder."
             )
+
+
+def list_pairs(split_dir: Path) -> list[tuple[str, str]]:
+    """``images/<stem>.<ext>`` with ``masks/<stem>.png``, sorted by stem; unmatched files of
+    either side are one error."""
+    images_dir, masks_dir = split_dir / "images", split_dir / "masks"
     images = {Path(n).stem: n for n in os.listdir(images_dir) if is_image(n)}
     masks = {Path(n).stem: n for n in os.listdir(masks_dir)
              if n.lower().endswith(".png") and not n.startswith(".")}  # fmt: skip
@@ -129,11 +134,11 @@ def list_pairs(split_dir: Path, key: str) -> list[tuple[str, str]]:
             parts.append(f"{len(no_image)} masks without an image in {images_dir}: "
                          f"{_few([masks[s] for s in no_image])}")  # fmt: skip
         raise ConfigError(
-            f"{'; '.join(parts)}. Every image needs its mask of the same stem ({layout}); add "
+            f"{'; '.join(parts)}. Every image needs its mask of the same stem ({LAYOUT}); add "
             "the missing files or remove the unmatched ones."
         )
     if not images:
-        raise ConfigError(f"{images_dir} holds no images ({layout}).")
+        raise ConfigError(f"{images_dir} holds no images ({LAYOUT}).")
     return [(f"images/{images[s]}", f"masks/{masks[s]}") for s in sorted(images)]
 
 
@@ -161,10 +166,12 @@ def segfolder_index(cfg: SegmentationData, split: str, rt: Runtime) -> PairIndex
         if not Path(cfg.root).is_dir():
             raise ConfigError(f"data.root={cfg.root} does not exist; point it at the folder "
                               "that holds train/ and val/.")  # fmt: skip
-        pairs = list_pairs(folder, key_name)
+        check_layout(folder, key_name)
+        # Keyed on the two folders' mtimes, which change whenever a file is added, removed or
+        # renamed: a later job lists nothing.
         key = folder_key(folder / "images", folder / "masks")
         path = cache_path(cfg.root, f"segfolder-{folder.name}.pt")
-        return path, key, lambda: scan_pairs(folder, pairs)
+        return path, key, lambda: scan_pairs(folder, list_pairs(folder))
 
     return PairIndex.from_dict(folder, shared_cache(rt, locate))
 
