@@ -18,6 +18,22 @@ AUTO_AUGMENTS = ("ta_wide", "ra", "augmix")
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
+def check_read_channels(in_channels: int) -> None:
+    """Files are decoded as grey or RGB images."""
+    if in_channels not in (1, 3):
+        raise ConfigError(
+            f"data.in_channels={in_channels}: images are read as grey (1) or RGB (3); "
+            "set data.in_channels=1 or 3."
+        )
+
+
+def check_holdout(val_fraction: float, val_slice: int | None) -> None:
+    """The in-memory sets' held-out validation share and slice."""
+    if not 0.0 < val_fraction < 1.0:
+        raise ConfigError(f"data.val_fraction={val_fraction} must lie strictly between 0 and 1.")
+    check_positive("data.val_slice", val_slice, allow_zero=True)
+
+
 @dataclass
 class DataConfig:
     """Every data option's keys: batching, loading, and what the model is sized for."""
@@ -71,11 +87,7 @@ class DigitsData(DataConfig):
 
     def check(self) -> None:
         super().check()
-        if not 0.0 < self.val_fraction < 1.0:
-            raise ConfigError(
-                f"data.val_fraction={self.val_fraction} must lie strictly between 0 and 1."
-            )
-        check_positive("data.val_slice", self.val_slice, allow_zero=True)
+        check_holdout(self.val_fraction, self.val_slice)
 
 
 @dataclass
@@ -130,11 +142,7 @@ class StreamedData(DataConfig):
         check_fraction("data.random_erase", self.random_erase)
         check_positive("data.resize_size", self.resize_size)
         check_positive("data.train_crop_size", self.train_crop_size)
-        if self.in_channels not in (1, 3):
-            raise ConfigError(
-                f"data.in_channels={self.in_channels}: images are read as grey (1) or RGB (3); "
-                "set data.in_channels=1 or 3."
-            )
+        check_read_channels(self.in_channels)
 
 
 @dataclass
@@ -204,11 +212,7 @@ class SegmentationData(DataConfig):
                 f"data.scale_range={list(lo_hi)} needs two factors 0 < low <= high of "
                 "data.base_size, e.g. [0.5,2.0]."
             )
-        if self.in_channels not in (1, 3):
-            raise ConfigError(
-                f"data.in_channels={self.in_channels}: images are read as grey (1) or RGB (3); "
-                "set data.in_channels=1 or 3."
-            )
+        check_read_channels(self.in_channels)
 
 
 @dataclass
@@ -226,11 +230,7 @@ class DigitsSegData(SegmentationData):
 
     def check(self) -> None:
         super().check()
-        if not 0.0 < self.val_fraction < 1.0:
-            raise ConfigError(
-                f"data.val_fraction={self.val_fraction} must lie strictly between 0 and 1."
-            )
-        check_positive("data.val_slice", self.val_slice, allow_zero=True)
+        check_holdout(self.val_fraction, self.val_slice)
         check_positive("data.max_digits", self.max_digits)
         if not self.digit_scales or min(self.digit_scales) < 1:
             raise ConfigError(f"data.digit_scales={self.digit_scales} needs factors >= 1.")
