@@ -6,11 +6,13 @@ maps an option to its schema; ``errors`` holds ConfigError.
 """
 
 from ddp_utils.config.data import (
+    CanvasData,
     CustomData,
     DataConfig,
     DigitsData,
     DigitsSegData,
     ImageFolderData,
+    MnistSegData,
     SegFolderData,
     SegmentationData,
     StreamedData,
@@ -48,12 +50,12 @@ from ddp_utils.config.schema import (
 from ddp_utils.config.task import CustomTask, SegmentationTask, TaskConfig
 
 __all__ = [
-    "ConfigError", "ConvNetModel", "CustomData", "CustomModel", "CustomTask", "DataConfig",
-    "DigitsData", "DigitsSegData", "EvalConfig", "ImageFolderData", "MLPModel", "ModelConfig",
-    "OptimConfig", "SchedConfig", "SegConvNetModel", "SegFolderData", "SegZooModel",
-    "SegmentationData", "SegmentationTask", "StreamedData", "SyntheticData", "TaskConfig",
-    "TorchvisionData", "TrainConfig", "TrainerConfig", "VOCData", "ZooModel", "as_plain_dict",
-    "collect_target_kwargs", "from_record", "option_defaults", "option_schema", "options_help",
-    "own_keys", "register_configs", "skips_bad_images", "to_schema", "unknown_keys",
-    "validate", "whole_sentences",
+    "CanvasData", "ConfigError", "ConvNetModel", "CustomData", "CustomModel", "CustomTask",
+    "DataConfig", "DigitsData", "DigitsSegData", "EvalConfig", "ImageFolderData", "MLPModel",
+    "MnistSegData", "ModelConfig", "OptimConfig", "SchedConfig", "SegConvNetModel",
+    "SegFolderData", "SegZooModel", "SegmentationData", "SegmentationTask", "StreamedData",
+    "SyntheticData", "TaskConfig", "TorchvisionData", "TrainConfig", "TrainerConfig",
+    "VOCData", "ZooModel", "as_plain_dict", "collect_target_kwargs", "from_record",
+    "option_defaults", "option_schema", "options_help", "own_keys", "register_configs",
+    "skips_bad_images", "to_schema", "unknown_keys", "validate", "whole_sentences",
 ]  # fmt: skip

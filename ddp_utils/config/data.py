@@ -216,24 +216,43 @@ class SegmentationData(DataConfig):
 
 
 @dataclass
-class DigitsSegData(SegmentationData):
-    """data=digits_seg | mnist_seg: canvases of one to three digits at random places, made
-    once in memory; mask = digit + 1 on the digit's pixels, 0 (background) elsewhere."""
+class CanvasData(SegmentationData):
+    """What data=digits_seg and mnist_seg share: canvases of one to three digits at random
+    places, made once in memory; mask = digit + 1 on the digit's pixels, 0 elsewhere."""
 
-    root: str | None = None  # mnist_seg: the folder that holds MNIST/ (torchvision's layout)
     canvas_size: int = 32
     digit_scales: list[int] = field(default_factory=lambda: [2, 3])  # upscaling factors
     max_digits: int = 3
-    val_fraction: float = 0.2  # digits_seg: the share of the digits held out for validation
     split_seed: int = 0  # the split and the canvases' layout
-    val_slice: int | None = None  # as data=digits: which held-out slice validates
+    val_slice: int | None = None  # as data=digits / data=mnist: which held-out slice validates
+
+    def check(self) -> None:
+        super().check()
+        check_positive("data.val_slice", self.val_slice, allow_zero=True)
+        check_positive("data.max_digits", self.max_digits)
+        if not self.digit_scales or min(self.digit_scales) < 1:
+            raise ConfigError(f"data.digit_scales={self.digit_scales} needs factors >= 1.")
+
+
+@dataclass
+class DigitsSegData(CanvasData):
+    """data=digits_seg: canvases of scikit-learn's bundled 8x8 digits."""
+
+    val_fraction: float = 0.2  # the share of the digits held out for validation
 
     def check(self) -> None:
         super().check()
         check_holdout(self.val_fraction, self.val_slice)
-        check_positive("data.max_digits", self.max_digits)
-        if not self.digit_scales or min(self.digit_scales) < 1:
-            raise ConfigError(f"data.digit_scales={self.digit_scales} needs factors >= 1.")
+
+
+@dataclass
+class MnistSegData(CanvasData):
+    """data=mnist_seg: canvases of MNIST's digits, from torchvision's layout under root."""
+
+    name: str = "mnist_seg"
+    root: str = "data"  # the folder that holds MNIST/
+    canvas_size: int = 64
+    digit_scales: list[int] = field(default_factory=lambda: [1])
 
 
 @dataclass
@@ -279,7 +298,7 @@ DATA_OPTIONS: dict[str, type[DataConfig]] = {
     "imagefolder": ImageFolderData,
     "custom": CustomData,
     "digits_seg": DigitsSegData,
-    "mnist_seg": DigitsSegData,
+    "mnist_seg": MnistSegData,
     "segfolder": SegFolderData,
     "voc": VOCData,
 }

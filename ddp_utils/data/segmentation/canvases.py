@@ -13,24 +13,24 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-from ddp_utils.config import DigitsSegData, TorchvisionData
+from ddp_utils.config import CanvasData, TorchvisionData
 from ddp_utils.data.builtin import _digits, _torchvision
 
 INK = 64  # a digit's pixel counts from this grey level (of 255)
 
 
-def digit_split(cfg: DigitsSegData, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+def digit_split(cfg: CanvasData, split: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The split's digits, uint8 (N, 1, h, w), and their labels: data=digits' split (with
     ``data.val_fraction`` and ``data.val_slice``) or MNIST's under ``data.root``."""
     if cfg.name == "digits_seg":
         return _digits(cfg, split)
-    mnist = TorchvisionData(name="mnist", root=cfg.root or "data", val_slice=cfg.val_slice,
+    mnist = TorchvisionData(name="mnist", root=cfg.root, val_slice=cfg.val_slice,
                             split_seed=cfg.split_seed)  # fmt: skip
     return _torchvision(mnist, split)
 
 
 def make_canvases(
-    digits: torch.Tensor, labels: torch.Tensor, cfg: DigitsSegData, split: str
+    digits: torch.Tensor, labels: torch.Tensor, cfg: CanvasData, split: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """uint8 images (N, 1, S, S) and uint8 masks (N, S, S), one canvas per digit."""
     n, size = len(labels), cfg.canvas_size
@@ -66,7 +66,7 @@ def scale(digits: torch.Tensor, factor: int) -> torch.Tensor:
 class CanvasSource:
     """The canvases of one split, in memory: ``(uint8 CHW image, uint8 HW mask)``."""
 
-    def __init__(self, cfg: DigitsSegData, split: str) -> None:
+    def __init__(self, cfg: CanvasData, split: str) -> None:
         digits, labels = digit_split(cfg, split)
         self.images, self.masks = make_canvases(digits, labels, cfg, split)
         self.classes = ["background"] + [str(d) for d in range(10)]
