@@ -27,7 +27,7 @@ from ddp_utils.files import UNWRITABLE, atomic_write_text, unwritable
 from ddp_utils.metrics import build_metrics, evaluate, scalars
 from ddp_utils.models import build_model, memory_format_of
 from ddp_utils.run import log, setup_logging
-from ddp_utils.tasks import build_task, check_task
+from ddp_utils.tasks import build_task, check_task, draw_predictions
 from ddp_utils.train.checkpoint import load_checkpoint, load_model_state
 from ddp_utils.train.precision import amp_context, resolve_precision
 from ddp_utils.watchdog import StepWatchdog
@@ -114,21 +114,8 @@ def run_eval(cfg: DictConfig, implied: Sequence[str] = ()) -> dict[str, Any]:
         result["classes"] = classes  # the names of the per-class vectors, in their order
     output = Path(cfg.output) if cfg.output else default_output(checkpoint)
     write_report(result, output, f"{data.name}/{data.split}", rt)
-    draw_predictions(task, model, loader, preprocess, rt, classes, output.parent)
+    draw_predictions(task, model, loader.dataset, preprocess, rt, classes, output.parent)
     return result
-
-
-def draw_predictions(task, model, loader, preprocess, rt: Runtime, classes, out_dir: Path) -> None:
-    """The main rank draws the task's picture of predictions beside the report."""
-    if not rt.is_main:
-        return
-    try:
-        path = task.draw(model, loader.dataset, preprocess, rt.device, classes, out_dir)
-    except OSError as e:
-        log.warning("predictions not drawn: %s", e.strerror or e)
-        return
-    if path is not None:
-        log.info("  predictions drawn into %s", path)
 
 
 def model_weights(ckpt: dict[str, Any], checkpoint: Path, ema: bool) -> dict[str, Any]:

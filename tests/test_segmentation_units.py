@@ -202,7 +202,16 @@ def test_the_loss_is_summed_over_counted_pixels_with_the_aux_head():
     f = torch.nn.functional.cross_entropy
     expected = f(logits, target, reduction="sum") + 0.5 * f(aux, target, reduction="sum")
     assert torch.allclose(loss, expected)
-    assert Batch(torch.zeros(2), torch.full((2, 4, 4), IGNORE_LABEL)).num_samples() == 0
+    assert Batch(torch.zeros(2), torch.full((2, 4, 4), IGNORE_LABEL)).count() == 0  # padding
+
+
+def test_samples_per_second_counts_epoch_positions_not_padding_duplicates():
+    # 10 samples on 3 ranks in batches of 2: the last step's 2 padding duplicates are no
+    # position of the epoch, so the samples trained are 10 (and 4 after a resume at 6).
+    assert [ResumableDistributedSampler(10, 3, 0).consumed(b, 2) for b in (1, 2)] == [6, 10]
+    resumed = ResumableDistributedSampler(10, 3, 0)
+    resumed.set_epoch(0, start=6)
+    assert resumed.consumed(1, 2) - 6 == 4
 
 
 def test_mean_iou_leaves_out_a_class_absent_from_truth_and_prediction():
@@ -272,13 +281,48 @@ def test_the_training_crop_is_the_window_of_the_resized_image(folder):
     source = seg_source(cfg, "train", RT)
     ds = seg_dataset(source, cfg, True, seed=0)
     image, mask = ds[(0, 1)]
-    src_image, src_mask = source[1]
+    assert window_of(source[1], image, mask, flipped=False)
+    # With data.hflip, some samples are mirrored windows, none is both or neither.
+    flips = seg_dataset(source, folder_cfg(folder, base_size=24, crop_size=16,
+                                           scale_range=[1.0, 1.0]), True, seed=0)  # fmt: skip
+    found = []
+    for i in range(len(source)):
+        image, mask = flips[(0, i)]
+        plain, mirrored = (window_of(source[i], image, mask, f) for f in (False, True))
+        assert plain != mirrored
+        found.append(mirrored)
+    assert any(found) and not all(found)
+
+
+def window_of(pair, image, mask, flipped: bool) -> bool:
+    """Whether ``image`` and ``mask`` are one 16x16 window of the source ``pair``."""
+    src_image, src_mask = pair
     src = src_mask.long().masked_fill(src_mask == 255, IGNORE_LABEL)
+    if flipped:
+        image, mask = image.flip(-1), mask.flip(-1)
     hits = [(y, x) for y in range(9) for x in range(9)
             if torch.equal(src_image[:, y:y + 16, x:x + 16], image)]  # fmt: skip
-    assert len(hits) == 1
-    y, x = hits[0]
-    assert torch.equal(src[y : y + 16, x : x + 16], mask)
+    return len(hits) == 1 and torch.equal(src[hits[0][0] : hits[0][0] + 16,
+                                              hits[0][1] : hits[0][1] + 16], mask)  # fmt: skip
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (("data.loader=tensor",), "makes its batches through DataLoader workers"),
+    (("data.canvas_size=20",), r"a 8-pixel digit scaled by data.digit_scales=\[2, 3\] is 24"),
+])  # fmt: skip
+def test_canvas_mistakes_name_the_key(overrides, needle):
+    with pytest.raises(ConfigError, match=needle):
+        cfg = compose_train("experiment=digits_segmentation", *overrides)
+        seg_source(cfg.data, "train", RT)
+
+
+def test_a_head_without_aux_refuses_model_aux_loss():
+    from ddp_utils.models import build_model
+
+    cfg = compose_train("experiment=digits_segmentation", "model=torchvision_seg",
+                        "model.arch=lraspp_mobilenet_v3_large", "model.aux_loss=true")  # fmt: skip
+    with pytest.raises(ConfigError, match="lraspp_mobilenet_v3_large with model.aux_loss=True"):
+        build_model(cfg.model, cfg.data)
 
 
 @pytest.mark.parametrize("target,error", [

@@ -192,6 +192,11 @@ class SegmentationData(DataConfig):
 
     def check(self) -> None:
         super().check()
+        if self.loader == "tensor":
+            raise ConfigError(
+                f"data={self.name} makes its batches through DataLoader workers (joint image "
+                "and mask transforms): use data.loader=auto."
+            )
         check_choice("data.interpolation", self.interpolation, INTERPOLATIONS)
         for key in ("base_size", "crop_size", "eval_size"):
             check_positive(f"data.{key}", getattr(self, key))
@@ -200,7 +205,7 @@ class SegmentationData(DataConfig):
                 f"data.ignore_index={self.ignore_index}: index masks are 8-bit PNGs, so the "
                 "ignored value lies in 0..255 (255 by default)."
             )
-        if self.num_classes > 255 or self.ignore_index < self.num_classes:
+        if self.ignore_index < self.num_classes:
             raise ConfigError(
                 f"data.num_classes={self.num_classes} and data.ignore_index="
                 f"{self.ignore_index}: class ids are 0..num_classes-1 in an 8-bit mask, below "
@@ -228,7 +233,6 @@ class CanvasData(SegmentationData):
 
     def check(self) -> None:
         super().check()
-        check_positive("data.val_slice", self.val_slice, allow_zero=True)
         check_positive("data.max_digits", self.max_digits)
         if not self.digit_scales or min(self.digit_scales) < 1:
             raise ConfigError(f"data.digit_scales={self.digit_scales} needs factors >= 1.")
@@ -253,6 +257,10 @@ class MnistSegData(CanvasData):
     root: str = "data"  # the folder that holds MNIST/
     canvas_size: int = 64
     digit_scales: list[int] = field(default_factory=lambda: [1])
+
+    def check(self) -> None:
+        super().check()
+        check_positive("data.val_slice", self.val_slice, allow_zero=True)
 
 
 @dataclass

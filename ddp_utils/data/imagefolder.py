@@ -360,6 +360,13 @@ def decode(path: str, channels: int) -> torch.Tensor:
         return pil_to_uint8(im, channels, path)
 
 
+def unreadable_reason(e: Exception) -> str:
+    """A decoder's error in a few words: its last line, without the C++ file and line."""
+    last_line = str(e).strip().splitlines()[-1] if str(e).strip() else ""
+    last_line = re.sub(r"^\S+\(\), \S+:\d+, ", "", last_line)
+    return whole_sentences(last_line) or type(e).__name__
+
+
 class BadImages:
     """What a source does with an image it cannot use: stop, naming it, or with
     ``data.skip_bad_images`` return a blank image labelled ``BAD_LABEL`` (left out of the loss
@@ -394,9 +401,7 @@ class ImageFolderSource(Dataset):
         try:
             return decode(path, self.channels), int(self.index.labels[i])
         except (RuntimeError, OSError, ValueError) as e:
-            last_line = str(e).strip().splitlines()[-1] if str(e).strip() else ""
-            last_line = re.sub(r"^\S+\(\), \S+:\d+, ", "", last_line)  # the C++ file and line
-            reason = whole_sentences(last_line) or type(e).__name__
+            reason = unreadable_reason(e)
             stop = (f"cannot read the image {path} ({reason}). Replace or delete the file, or "
                     "set data.skip_bad_images=true to skip unreadable images.")  # fmt: skip
             return self.bad.handle(path, stop, f"skipping the unreadable image {path} ({reason})")

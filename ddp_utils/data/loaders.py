@@ -11,7 +11,12 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from ddp_utils.config import DataConfig
 from ddp_utils.data.builtin import ImageTensorDataset
-from ddp_utils.data.samplers import IGNORE_LABEL
+from ddp_utils.data.samplers import (
+    IGNORE_LABEL,
+    EpochTagged,
+    EvalShardSampler,
+    ResumableDistributedSampler,
+)
 from ddp_utils.dist import Runtime
 
 MAX_AUTO_WORKERS = 16
@@ -71,6 +76,21 @@ def worker_loader(ds: Dataset, sampler: Sampler, cfg: DataConfig, rt: Runtime) -
         prefetch_factor=cfg.prefetch_factor if workers > 0 else None,
         generator=torch.Generator().manual_seed(0),
     )
+
+
+def eval_shard_loader(ds: Dataset, cfg: DataConfig, rt: Runtime) -> DataLoader:
+    """Workers over this rank's exact evaluation shard of ``ds``."""
+    return worker_loader(ds, EvalShardSampler(len(ds), rt.world_size, rt.rank), cfg, rt)
+
+
+def sharded_loaders(
+    train_ds: Dataset, val_ds: Dataset, cfg: DataConfig, rt: Runtime, seed: int
+) -> tuple[DataLoader, DataLoader, ResumableDistributedSampler]:
+    """The per-sample-seeded training loader (its keys carry the epoch), the exact
+    validation loader, and the training sampler."""
+    sampler = ResumableDistributedSampler(len(train_ds), rt.world_size, rt.rank, seed=seed)
+    train = worker_loader(train_ds, EpochTagged(sampler), cfg, rt)
+    return train, eval_shard_loader(val_ds, cfg, rt), sampler
 
 
 def close_loader(loader: TensorLoader | DataLoader) -> None:

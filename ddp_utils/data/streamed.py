@@ -10,8 +10,8 @@ from torch.utils.data import DataLoader, Dataset
 from ddp_utils.config import ConfigError, DataConfig
 from ddp_utils.data.custom import CustomSource, load_custom
 from ddp_utils.data.imagefolder import ImageFolderSource, check_same_classes, load_index
-from ddp_utils.data.loaders import worker_loader
-from ddp_utils.data.samplers import EpochTagged, EvalShardSampler, ResumableDistributedSampler
+from ddp_utils.data.loaders import eval_shard_loader, sharded_loaders
+from ddp_utils.data.samplers import ResumableDistributedSampler
 from ddp_utils.data.transforms import SeededTransform, eval_transform, train_transform
 from ddp_utils.dist import Runtime
 
@@ -37,17 +37,13 @@ def streamed_loaders(
     classes = src["train"].classes
     if cfg.name == "imagefolder":
         check_same_classes(classes, src["val"].classes, cfg)
-    sampler = ResumableDistributedSampler(len(src["train"]), rt.world_size, rt.rank, seed=seed)
     train_ds = SeededTransform(src["train"], train_transform(cfg), seed)
     val_ds = SeededTransform(src["val"], eval_transform(cfg), seed)
-    train = worker_loader(train_ds, EpochTagged(sampler), cfg, rt)
-    val = worker_loader(val_ds, EvalShardSampler(len(val_ds), rt.world_size, rt.rank), cfg, rt)
-    return train, val, sampler, classes
+    return (*sharded_loaders(train_ds, val_ds, cfg, rt, seed), classes)
 
 
 def streamed_eval_loader(cfg: DataConfig, rt: Runtime, seed: int) -> tuple[DataLoader, list[str]]:
     """The loader of ``data.split``, sharded exactly, and the class names."""
     source = streamed_sources(cfg, rt, (cfg.split,))[cfg.split]
     ds = SeededTransform(source, eval_transform(cfg), seed)
-    loader = worker_loader(ds, EvalShardSampler(len(ds), rt.world_size, rt.rank), cfg, rt)
-    return loader, source.classes
+    return eval_shard_loader(ds, cfg, rt), source.classes

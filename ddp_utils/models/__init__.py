@@ -71,20 +71,27 @@ def classifier_keys(model: nn.Module) -> set[str]:
     return {f"{linears[-1]}.{p}" for p, _ in model.get_submodule(linears[-1]).named_parameters()}
 
 
-def load_weights(model: nn.Module, path: str) -> None:
-    """Start from a local state dict (a bare one, or a train.py checkpoint's ``model``); a head
-    sized for another class count is left re-initialised, and the log says so."""
+def read_state_dict(path: str, key: str) -> dict[str, torch.Tensor]:
+    """A state dict saved with ``torch.save`` (bare, or a train.py checkpoint's ``model``),
+    read with ``weights_only=True``; ``key`` names the config key in the errors."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
-        raise ConfigError(f"model.weights={path}: no such file.") from None
+        raise ConfigError(f"{key}={path}: no such file.") from None
     except Exception as e:
         raise ConfigError(
-            f"model.weights={path} does not load with weights_only=True ({why(e)}); give a "
+            f"{key}={path} does not load with weights_only=True ({why(e)}); give a "
             "state dict saved with torch.save(model.state_dict(), path)."
         ) from None
     if isinstance(state, dict) and isinstance(state.get("model"), dict):
         state = state["model"]
+    return state
+
+
+def load_weights(model: nn.Module, path: str) -> None:
+    """Start from a local state dict (a bare one, or a train.py checkpoint's ``model``); a head
+    sized for another class count is left re-initialised, and the log says so."""
+    state = read_state_dict(path, "model.weights")
     own = model.state_dict()
     misfit = {k for k, v in state.items() if k in own and own[k].shape != v.shape}
     head = classifier_keys(model)

@@ -108,14 +108,9 @@ def torchvision_seg_model(
 def load_backbone(backbone: nn.Module, path: str) -> None:
     """A local state dict into a segmentation model's backbone; the classifier's own keys
     (fc., classifier.) that the backbone lacks are ignored, any other mismatch refused."""
-    import torch
+    from ddp_utils.models import read_state_dict
 
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except (OSError, RuntimeError) as e:
-        raise ConfigError(f"model.weights_backbone={path} cannot be loaded ({e}).") from None
-    if isinstance(state, dict) and isinstance(state.get("model"), dict):
-        state = state["model"]
+    state = read_state_dict(path, "model.weights_backbone")
     own = backbone.state_dict()
     # A mobilenet's segmentation backbone is the classifier's `features`, renumbered from 0.
     state = {k.removeprefix("features.") if k.removeprefix("features.") in own else k: v

@@ -8,6 +8,7 @@ metrics; ``task=custom task._target_=pkg.module.MyTask +task.NAME=VALUE`` builds
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,12 +17,14 @@ from hydra.utils import instantiate
 from torch import nn
 
 from ddp_utils.config import ConfigError, SegmentationData, TrainConfig, own_keys
+from ddp_utils.dist import Runtime
 from ddp_utils.models import memory_format_of
 from ddp_utils.models.probe import PROBE_BATCH, blank_images, check_logits, eval_mode, size_error
+from ddp_utils.run import log
 from ddp_utils.targets import target_arguments, why
 from ddp_utils.tasks.base import Batch, Task
 
-__all__ = ["Batch", "Task", "build_task", "check_task"]
+__all__ = ["Batch", "Task", "build_task", "check_task", "draw_predictions"]
 
 REQUIRED = ("train_loss", "eval_step")
 CLASSIFICATION_ONLY = {  # options that only mean something for class labels
@@ -153,3 +156,18 @@ def check_task(
         raise error from None
     finally:
         metrics.reset()
+
+
+def draw_predictions(task: Task, model: nn.Module, dataset: Any, preprocess: nn.Module,
+                     rt: Runtime, classes: list[str] | None, out_dir: Path) -> None:  # fmt: skip
+    """The main rank draws the task's picture of predictions (``Task.draw``) into
+    ``out_dir``; a picture, so a full disk only warns."""
+    if not rt.is_main:
+        return
+    try:
+        path = task.draw(model, dataset, preprocess, rt.device, classes, out_dir)
+    except OSError as e:
+        log.warning("predictions not drawn: %s", e.strerror or e)
+        return
+    if path is not None:
+        log.info("predictions drawn into %s", path)

@@ -36,13 +36,6 @@ class Batch:
         """The number of real rows (real pixels for a mask target), on the device."""
         return self.real.sum()
 
-    def num_samples(self) -> torch.Tensor:
-        """The number of real samples: rows with any real target value (a padding
-        duplicate's mask is ignored throughout), on the device."""
-        if self.target.ndim == 1:
-            return self.real.sum()
-        return self.real.reshape(len(self.target), -1).any(1).sum()
-
     def select(self, x: torch.Tensor) -> torch.Tensor:
         """``x``'s real rows (for metrics; a host sync unless ``all_real``)."""
         return x if self.all_real else x[self.real]

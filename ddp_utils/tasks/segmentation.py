@@ -18,6 +18,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ddp_utils.data.samplers import IGNORE_LABEL
+from ddp_utils.models.probe import eval_mode
 from ddp_utils.tasks.base import Batch, Task
 
 _TM = "torchmetrics.classification."
@@ -43,34 +44,31 @@ def split_output(out: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     return out, None
 
 
+def pixel_loss_sum(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy summed over the counted pixels (``IGNORE_LABEL`` ones are not)."""
+    return F.cross_entropy(logits.float(), target, ignore_index=IGNORE_LABEL, reduction="sum")
+
+
 class Segmentation(Task):
     """``task=segmentation``: logits (N, num_classes, H, W) against masks (N, H, W)."""
 
     def __init__(self, num_classes: int, image_size: int, aux_weight: float = 0.5) -> None:
         self.num_classes, self.image_size, self.aux_weight = num_classes, image_size, aux_weight
 
-    def loss_sum(self, out: Any, target: torch.Tensor) -> torch.Tensor:
-        logits, aux = split_output(out)
-        loss = F.cross_entropy(logits.float(), target, ignore_index=IGNORE_LABEL, reduction="sum")
-        if aux is not None and self.aux_weight > 0:
-            aux_loss = F.cross_entropy(aux.float(), target, ignore_index=IGNORE_LABEL,
-                                       reduction="sum")  # fmt: skip
-            loss = loss + self.aux_weight * aux_loss
-        return loss
-
     def train_loss(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.loss_sum(model(batch.inputs), batch.target), batch.count()
+        logits, aux = split_output(model(batch.inputs))
+        loss = pixel_loss_sum(logits, batch.target)
+        if aux is not None and self.aux_weight > 0:
+            loss = loss + self.aux_weight * pixel_loss_sum(aux, batch.target)
+        return loss, batch.count()
 
     def eval_step(
         self, model: nn.Module, batch: Batch, metrics: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        out = model(batch.inputs)
-        logits, _ = split_output(out)
-        # The evaluation loss is the main head's, as the references report it.
-        loss = F.cross_entropy(logits.float(), batch.target, ignore_index=IGNORE_LABEL,
-                               reduction="sum")  # fmt: skip
+        logits, _ = split_output(model(batch.inputs))
         metrics.update(logits.argmax(1), batch.target)
-        return loss, batch.count()
+        # The evaluation loss is the main head's, as the references report it.
+        return pixel_loss_sum(logits, batch.target), batch.count()
 
     def metrics(self) -> dict[str, Any]:
         return segmentation_metrics(self.num_classes)
@@ -88,7 +86,6 @@ class Segmentation(Task):
         return (f"data.num_classes={self.num_classes} (scores per pixel at the input's size, "
                 "as torchvision's segmentation models give in `out`)")  # fmt: skip
 
-    @torch.no_grad()
     def draw(self, model: nn.Module, dataset: Any, preprocess: nn.Module, device: torch.device,
              classes: list[str] | None, out_dir: Path) -> Path | None:  # fmt: skip
         """``predictions.png``: the first validation images, their truth and the prediction."""
@@ -99,12 +96,8 @@ class Segmentation(Task):
             return None
         images = torch.stack([image for image, _ in samples])
         truths = torch.stack([mask for _, mask in samples])
-        was_training = model.training
-        model.eval()
-        try:
+        with eval_mode(model):
             logits, _ = split_output(model(preprocess(images.to(device))))
-        finally:
-            model.train(was_training)
         preds = logits.argmax(1).cpu()
         names = classes or [str(c) for c in range(self.num_classes)]
         return plot_predictions(images, truths, preds, names, out_dir / "predictions.png")

@@ -27,7 +27,7 @@ from ddp_utils.run import (
     setup_logging,
     write_run_files,
 )
-from ddp_utils.tasks import Batch
+from ddp_utils.tasks import Batch, draw_predictions
 from ddp_utils.tracking import environment_text, peak_memory_mb
 from ddp_utils.train.finite import diverged
 from ddp_utils.train.resume import resume, save
@@ -65,9 +65,8 @@ def train_step(tr: Training, images: torch.Tensor, labels: torch.Tensor, scale: 
         tr.epoch_totals[2] += (labels == BAD_LABEL).sum()
         labels = torch.where(labels == BAD_LABEL, IGNORE_LABEL, labels)
     # Padding duplicates carry an ignored label: the task sums over real samples only.
-    batch = Batch(images, labels)
     with tr.amp():
-        loss_sum, n_real = tr.task.train_loss(tr.model, batch)
+        loss_sum, n_real = tr.task.train_loss(tr.model, Batch(images, labels))
     tr.scaler.scale(loss_sum / n_real.clamp(min=1) * scale).backward()
     loss_sum = loss_sum.detach()
     if tr.scaler.is_enabled():
@@ -77,7 +76,6 @@ def train_step(tr: Training, images: torch.Tensor, labels: torch.Tensor, scale: 
         loss_sum, n_real = torch.where(finite, loss_sum, 0.0), torch.where(finite, n_real, 0)
     tr.epoch_totals[0] += loss_sum
     tr.epoch_totals[1] += n_real
-    tr.epoch_totals[3] += batch.num_samples()
 
 
 def train_one_epoch(tr: Training) -> dict[str, float]:
@@ -90,7 +88,7 @@ def train_one_epoch(tr: Training) -> dict[str, float]:
     sampler.set_epoch(tr.epoch, tr.sample_offset)
     tr.callbacks.on_epoch_start(tr)
     tr.model.train()
-    n_batches, start = len(loader), time.perf_counter()
+    n_batches, start, first_sample = len(loader), time.perf_counter(), tr.sample_offset
     tr.progress.start_epoch(tr.epoch, tr.step, math.ceil(n_batches / accum))
     for i, (images, labels) in enumerate(loader):
         group_start = i - i % accum
@@ -109,7 +107,10 @@ def train_one_epoch(tr: Training) -> dict[str, float]:
     tr.progress.end_epoch()
     totals = all_reduce_sum(tr.epoch_totals.clone()).tolist()
     elapsed = time.perf_counter() - start
-    stats = {"train/loss": totals[0] / max(totals[1], 1), "samples_per_s": totals[3] / elapsed}
+    # The samples all ranks went through in this process (padding duplicates are no position
+    # of the epoch); totals[1] also holds the resumed part, and counts pixels for masks.
+    samples = tr.sample_offset - first_sample
+    stats = {"train/loss": totals[0] / max(totals[1], 1), "samples_per_s": samples / elapsed}
     if skips_bad_images(tr.cfg.data):
         stats["train/skipped_images"] = int(totals[2])
     return stats
@@ -244,7 +245,8 @@ def fit(cfg: TrainConfig, rt: Runtime, default_run_dir: str | None = None) -> fl
             run.lock.release()
     if rt.is_main and (run.path / "metrics.jsonl").exists():
         draw_curves(run.path)
-        draw_predictions(tr, run.path)
+        draw_predictions(tr.task, tr.raw_model, tr.data.val.dataset, tr.data.preprocess_eval,
+                         rt, tr.data.classes, run.path)  # fmt: skip
     return float(record.get(f"val/{cfg.task.monitor}", float("nan")))
 
 
@@ -256,15 +258,6 @@ def draw_curves(run_dir: Path) -> None:
         plot_runs([run_dir], run_dir / "curves.png")
     except OSError as e:
         log.warning("curves.png not drawn: %s", e.strerror or e)
-
-
-def draw_predictions(tr: Training, run_dir: Path) -> None:
-    """The task's picture of predictions (``predictions.png`` for segmentation), main rank."""
-    try:
-        tr.task.draw(tr.raw_model, tr.data.val.dataset, tr.data.preprocess_eval, tr.rt.device,
-                     tr.data.classes, run_dir)  # fmt: skip
-    except OSError as e:
-        log.warning("predictions not drawn: %s", e.strerror or e)
 
 
 def train_epochs(tr: Training) -> dict[str, Any]:

@@ -228,8 +228,7 @@ def restore(tr: Training, ckpt: dict[str, Any]) -> None:
     # The epoch's running loss continues from the saved global totals, held by one rank.
     tr.epoch_totals.zero_()
     if tr.rt.is_main:
-        saved = ckpt["epoch_totals"].to(tr.epoch_totals)
-        tr.epoch_totals[: len(saved)] += saved  # a checkpoint of before the samples slot: 3
+        tr.epoch_totals += ckpt["epoch_totals"].to(tr.epoch_totals)
     if ckpt["world_size"] == tr.rt.world_size:
         restore_rng(ckpt["rng"][tr.rt.rank], tr.rt.device)
     else:

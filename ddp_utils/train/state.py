@@ -91,8 +91,8 @@ class Training:
     tracker: Tracker
     callbacks: CallbackList
     metrics: MetricCollection  # validation's, reset for each model scored
-    # This rank's (loss sum, its count, skipped images, real samples) of the epoch so far, on
-    # the device; the count is the samples' (classification) or the counted pixels'.
+    # This rank's (loss sum, its count, skipped images) of the epoch so far, on the device;
+    # the count is the samples' (classification) or the counted pixels' (segmentation).
     epoch_totals: torch.Tensor
     epoch: int = 0  # epochs completed; the one in progress
     step: int = 0  # optimizer steps taken
@@ -169,5 +169,5 @@ def build_training(cfg: TrainConfig, rt: Runtime, run_dir: Path) -> Training:
         tracker=Tracker(cfg.logger, run_dir, rt),
         callbacks=build_callbacks(cfg.callbacks),
         metrics=metrics,
-        epoch_totals=torch.zeros(4, dtype=torch.float64, device=rt.device),
+        epoch_totals=torch.zeros(3, dtype=torch.float64, device=rt.device),
     )

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from torch.utils.data import DataLoader
 
-from ddp_utils.config import ConfigError, SegmentationData
-from ddp_utils.data.loaders import worker_loader
-from ddp_utils.data.samplers import EpochTagged, EvalShardSampler, ResumableDistributedSampler
+from ddp_utils.config import CanvasData, SegmentationData, VOCData
+from ddp_utils.data.loaders import eval_shard_loader, sharded_loaders
+from ddp_utils.data.samplers import ResumableDistributedSampler
 from ddp_utils.data.segmentation.transforms import (
     EvalResizePad,
     SeededPairs,
-    eval_shape,
+    short_side_shape,
     train_transform,
 )
 from ddp_utils.dist import Runtime, local_main_first
@@ -27,19 +27,14 @@ __all__ = ["seg_eval_loader", "seg_loaders", "seg_source", "seg_dataset"]
 
 def seg_source(cfg: SegmentationData, split: str, rt: Runtime):
     """The split's ``(image, mask)`` source, with ``classes`` and ``sizes`` (N, 2)."""
-    if cfg.loader == "tensor":
-        raise ConfigError(
-            f"data={cfg.name} makes its batches through DataLoader workers (joint image and "
-            "mask transforms): use data.loader=auto."
-        )
-    if cfg.name in ("digits_seg", "mnist_seg"):
+    if isinstance(cfg, CanvasData):
         from ddp_utils.data.segmentation.canvases import CanvasSource
 
-        with local_main_first(rt):
+        with local_main_first(rt):  # data=mnist_seg decodes MNIST into its cache once
             return CanvasSource(cfg, split)
     from ddp_utils.data.segmentation import folders
 
-    if cfg.name == "voc":
+    if isinstance(cfg, VOCData):
         return folders.PairSource(folders.voc_index(cfg, split, rt), cfg, folders.VOC_CLASSES)
     index = folders.segfolder_index(cfg, split, rt)
     return folders.PairSource(index, cfg, folders.folder_classes(cfg))
@@ -51,7 +46,7 @@ def seg_dataset(source, cfg: SegmentationData, train: bool, seed: int) -> Seeded
     if train and cfg.augment:
         transform = train_transform(cfg)
     else:
-        shapes = [eval_shape(int(h), int(w), cfg.eval_size) for h, w in source.sizes.tolist()]
+        shapes = [short_side_shape(int(h), int(w), cfg.eval_size) for h, w in source.sizes.tolist()]
         canvas = (max(h for h, _ in shapes), max(w for _, w in shapes))
         transform = EvalResizePad(cfg, canvas)
     return SeededPairs(source, transform, seed, cfg.ignore_index)
@@ -62,17 +57,12 @@ def seg_loaders(
 ) -> tuple[DataLoader, DataLoader, ResumableDistributedSampler, list[str]]:
     """The training and validation loaders, the training sampler, and the class names."""
     train_src, val_src = seg_source(cfg, "train", rt), seg_source(cfg, "val", rt)
-    sampler = ResumableDistributedSampler(len(train_src), rt.world_size, rt.rank, seed=seed)
     train_ds = seg_dataset(train_src, cfg, True, seed)
     val_ds = seg_dataset(val_src, cfg, False, seed)
-    train = worker_loader(train_ds, EpochTagged(sampler), cfg, rt)
-    val = worker_loader(val_ds, EvalShardSampler(len(val_ds), rt.world_size, rt.rank), cfg, rt)
-    return train, val, sampler, train_src.classes
+    return (*sharded_loaders(train_ds, val_ds, cfg, rt, seed), train_src.classes)
 
 
 def seg_eval_loader(cfg: SegmentationData, rt: Runtime, seed: int) -> tuple[DataLoader, list]:
     """The loader of ``data.split``, sharded exactly, and the class names."""
     source = seg_source(cfg, cfg.split, rt)
-    ds = seg_dataset(source, cfg, False, seed)
-    loader = worker_loader(ds, EvalShardSampler(len(ds), rt.world_size, rt.rank), cfg, rt)
-    return loader, source.classes
+    return eval_shard_loader(seg_dataset(source, cfg, False, seed), cfg, rt), source.classes

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-from ddp_utils.config import CanvasData, TorchvisionData
+from ddp_utils.config import CanvasData, ConfigError, TorchvisionData
 from ddp_utils.data.builtin import _digits, _torchvision
 
 INK = 64  # a digit's pixel counts from this grey level (of 255)
@@ -37,6 +37,13 @@ def make_canvases(
     g = torch.Generator().manual_seed(cfg.split_seed * 2 + (split == "val"))
     images = torch.zeros(n, 1, size, size, dtype=torch.uint8)
     masks = torch.zeros(n, size, size, dtype=torch.uint8)
+    largest = digits.shape[-1] * max(cfg.digit_scales)
+    if largest > size:
+        raise ConfigError(
+            f"data={cfg.name}: a {digits.shape[-1]}-pixel digit scaled by data.digit_scales="
+            f"{list(cfg.digit_scales)} is {largest} pixels, more than data.canvas_size={size}; "
+            "raise data.canvas_size or lower the scales."
+        )
     scaled = {s: scale(digits, s) for s in cfg.digit_scales}
     for i in range(n):
         count = int(torch.randint(1, cfg.max_digits + 1, (), generator=g))
@@ -44,8 +51,6 @@ def make_canvases(
             s = cfg.digit_scales[int(torch.randint(0, len(cfg.digit_scales), (), generator=g))]
             digit = scaled[s][j, 0]
             h, w = digit.shape
-            if h > size or w > size:
-                raise ValueError(f"a digit of {h}x{w} does not fit data.canvas_size={size}")
             y = int(torch.randint(0, size - h + 1, (), generator=g))
             x = int(torch.randint(0, size - w + 1, (), generator=g))
             images[i, 0, y : y + h, x : x + w] = torch.maximum(

@@ -22,7 +22,13 @@ import torch
 
 from ddp_utils.config import ConfigError, SegmentationData
 from ddp_utils.data.cache import cache_path, shared_cache
-from ddp_utils.data.imagefolder import BadImageError, PathTable, decode, is_image
+from ddp_utils.data.imagefolder import (
+    BadImageError,
+    PathTable,
+    decode,
+    is_image,
+    unreadable_reason,
+)
 from ddp_utils.dist import Runtime
 from ddp_utils.run import log
 
@@ -199,13 +205,12 @@ def voc_index(cfg: SegmentationData, split: str, rt: Runtime) -> PairIndex:
         if missing:
             raise ConfigError(f"data=voc: {len(missing)} files listed in {image_set}.txt are "
                               f"missing under {folder}: {_few(missing)}.")  # fmt: skip
+
+        def build() -> dict:  # the folder too: the other ranks do not call VOCSegmentation
+            return scan_pairs(folder, pairs) | {"folder": str(folder)}
+
         split_file = folder / "ImageSets" / "Segmentation" / f"{image_set}.txt"
-        path = cache_path(cfg.root, f"voc{cfg.year}-{image_set}.pt")
-        return (
-            path,
-            folder_key(split_file),
-            lambda: scan_pairs(folder, pairs) | {"folder": str(folder)},
-        )
+        return cache_path(cfg.root, f"voc{cfg.year}-{image_set}.pt"), folder_key(split_file), build
 
     contents = shared_cache(rt, locate)
     return PairIndex.from_dict(Path(contents["folder"]), contents)
@@ -224,8 +229,9 @@ def read_mask(path: str, cfg: SegmentationData) -> torch.Tensor:
     if array.ndim != 2:
         raise BadImageError(f"the mask {path} has {array.shape[-1]} channels: a mask holds one "
                             "class id a pixel.")  # fmt: skip
-    values = np.unique(array)
-    bad = values[(values >= cfg.num_classes) & (values != cfg.ignore_index)]
+    # A histogram, not np.unique: no sort of every pixel in the workers' per-sample path.
+    present = np.flatnonzero(np.bincount(array.ravel(), minlength=cfg.num_classes))
+    bad = present[(present >= cfg.num_classes) & (present != cfg.ignore_index)]
     if bad.size:
         raise BadImageError(
             f"the mask {path} holds the values {bad[:SHOWN].tolist()}, not class ids of "
@@ -250,8 +256,8 @@ class PairSource:
         try:
             image = decode(image_path, self.cfg.in_channels)
         except (RuntimeError, OSError, ValueError) as e:
-            raise BadImageError(f"cannot read the image {image_path} ({e}). Replace or delete "
-                                "the file.") from None  # fmt: skip
+            raise BadImageError(f"cannot read the image {image_path} ({unreadable_reason(e)}). "
+                                "Replace or delete the file.") from None  # fmt: skip
         return image, read_mask(str(self.index.folder / self.index.masks[i]), self.cfg)
 
 

@@ -29,33 +29,41 @@ from ddp_utils.data.transforms import INTERPOLATIONS, SeededTransform
 Pair = tuple[torch.Tensor, torch.Tensor]
 
 
-def eval_shape(h: int, w: int, eval_size: int | None) -> tuple[int, int]:
-    """An image's (h, w) for evaluation: the shorter side resized to ``eval_size`` (the
-    longer in proportion, rounded down as torchvision's Resize does), or unchanged."""
-    if eval_size is None:
+def short_side_shape(h: int, w: int, size: int | None) -> tuple[int, int]:
+    """(h, w) with the shorter side resized to ``size`` (the longer in proportion, rounded
+    down as torchvision's Resize does), or unchanged for None. Computed here because the
+    evaluation canvas must be known from the headers, before any image is read."""
+    if size is None:
         return h, w
     if h <= w:
-        return eval_size, int(eval_size * w / h)
-    return int(eval_size * h / w), eval_size
+        return size, int(size * w / h)
+    return int(size * h / w), size
+
+
+def pad_bottom_right(image: torch.Tensor, mask: torch.Tensor, size: tuple[int, int],
+                     ignore: int) -> Pair:  # fmt: skip
+    """Pad to ``size`` (h, w) at the bottom and right: the image with 0, the mask with the
+    ignored value."""
+    pad = (0, size[1] - image.shape[-1], 0, size[0] - image.shape[-2])
+    if any(pad):
+        image = F.pad(image.as_subclass(torch.Tensor), pad, value=0)
+        mask = F.pad(mask.as_subclass(torch.Tensor), pad, value=ignore)
+    return image, mask
 
 
 class EvalResizePad:
-    """Resize to ``eval_shape``, then pad to ``canvas`` (h, w) at the bottom and right."""
+    """Resize to ``short_side_shape``, then pad to ``canvas`` (h, w) at the bottom and right."""
 
     def __init__(self, cfg: SegmentationData, canvas: tuple[int, int]) -> None:
         self.eval_size, self.canvas, self.ignore = cfg.eval_size, canvas, cfg.ignore_index
         self.mode = INTERPOLATIONS[cfg.interpolation]
 
     def __call__(self, image: torch.Tensor, mask: torch.Tensor) -> Pair:
-        h, w = eval_shape(image.shape[-2], image.shape[-1], self.eval_size)
+        h, w = short_side_shape(image.shape[-2], image.shape[-1], self.eval_size)
         if (h, w) != tuple(image.shape[-2:]):
             image = TF.resize(image, [h, w], interpolation=self.mode, antialias=True)
             mask = TF.resize(tv_tensors.Mask(mask), [h, w])  # a Mask: nearest neighbour
-        pad = (0, self.canvas[1] - w, 0, self.canvas[0] - h)
-        if any(pad):
-            image = F.pad(image, pad, value=0)
-            mask = F.pad(mask, pad, value=self.ignore)
-        return image, mask
+        return pad_bottom_right(image, mask, self.canvas, self.ignore)
 
 
 class ScaleCropFlip:
@@ -71,7 +79,7 @@ class ScaleCropFlip:
 
     def __call__(self, image: torch.Tensor, mask: torch.Tensor) -> Pair:
         h, w = image.shape[-2:]
-        nh, nw = eval_shape(h, w, int(torch.randint(self.lo, self.hi + 1, ())))
+        nh, nw = short_side_shape(h, w, int(torch.randint(self.lo, self.hi + 1, ())))
         ch, cw = min(self.crop, nh), min(self.crop, nw)
         top = int(torch.randint(0, nh - ch + 1, ()))
         left = int(torch.randint(0, nw - cw + 1, ()))
@@ -81,10 +89,7 @@ class ScaleCropFlip:
         image = TF.resized_crop(tv_tensors.Image(image), y0, x0, sh, sw, [ch, cw],
                                 interpolation=self.mode, antialias=True)  # fmt: skip
         mask = TF.resized_crop(tv_tensors.Mask(mask), y0, x0, sh, sw, [ch, cw])  # nearest
-        pad = (0, self.crop - cw, 0, self.crop - ch)
-        if any(pad):
-            image = F.pad(image.as_subclass(torch.Tensor), pad, value=0)
-            mask = F.pad(mask.as_subclass(torch.Tensor), pad, value=self.ignore)
+        image, mask = pad_bottom_right(image, mask, (self.crop, self.crop), self.ignore)
         if self.hflip and bool(torch.rand(()) < 0.5):
             image, mask = image.flip(-1), mask.flip(-1)
         return image, mask
