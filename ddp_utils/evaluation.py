@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,7 +21,7 @@ from ddp_utils.config import (
     skips_bad_images,
     to_schema,
 )
-from ddp_utils.data import build_eval_data, close_loader
+from ddp_utils.data import build_eval_data, close_loader, resolve_data
 from ddp_utils.data.classes import class_difference
 from ddp_utils.dist import Runtime, init_distributed
 from ddp_utils.files import UNWRITABLE, atomic_write_text, unwritable
@@ -57,6 +58,9 @@ def checkpoint_config(stored: dict[str, Any], cfg: DictConfig, keys: list[str]) 
 
 def describe(cfg: dict[str, Any]) -> str:
     m, d = cfg["model"], cfg["data"]
+    if "block_size" in d:
+        return (f"model={m['name']} on data={d['name']} (blocks of {d['block_size']} tokens, "
+                f"{d['num_classes']} ids)")  # fmt: skip
     shape = f"{d['in_channels']}x{d['image_size']}x{d['image_size']}"
     return f"model={m['name']} on data={d['name']} ({shape}, {d['num_classes']} classes)"
 
@@ -78,6 +82,9 @@ def run_eval(cfg: DictConfig, implied: Sequence[str] = ()) -> dict[str, Any]:
     checkpoint = Path(cfg.checkpoint)
     ckpt = load_checkpoint(checkpoint)
     train_cfg = checkpoint_config(ckpt["config"], cfg, command_line_keys(implied))
+    rt = init_distributed(train_cfg.trainer)
+    setup_logging(None, rt, "eval")
+    train_cfg = dataclasses.replace(train_cfg, data=resolve_data(train_cfg.data, rt))
     task = build_task(train_cfg)
     model = build_model(train_cfg.model, train_cfg.data, task.num_outputs())
     load_model_state(
@@ -88,8 +95,6 @@ def run_eval(cfg: DictConfig, implied: Sequence[str] = ()) -> dict[str, Any]:
         f"{describe(as_plain_dict(train_cfg))}. Drop the "
         "model/data overrides, or evaluate a checkpoint of that model and data.",
     )
-    rt = init_distributed(train_cfg.trainer)
-    setup_logging(None, rt, "eval")
     data = train_cfg.data
     # The memory format training validated in: the same kernels, so the same numbers.
     channels_last = train_cfg.trainer.channels_last

@@ -62,3 +62,14 @@ class PooledSegNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.conv(x)
+
+
+class BigramLM(nn.Module):
+    """A user's language model for model=custom: (N, T) ids to (N, T, vocab) logits."""
+
+    def __init__(self, vocab_size: int):
+        super().__init__()
+        self.table = nn.Embedding(vocab_size, vocab_size)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.table(idx)

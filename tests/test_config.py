@@ -41,6 +41,8 @@ def test_every_option_composes_and_validates(group, option):
     required = {
         ("data", "custom"): ["data._target_=imagefolders.digits_datasets"],
         ("model", "custom"): ["model._target_=ddp_utils.models.nets.MLP"],
+        ("data", "tokens"): ["model=gpt", "task=language_model"],
+        ("data", "pystdlib"): ["model=gpt", "task=language_model"],
     }.get((group, option), [])
     cfg = to_schema(compose_train(f"{group}={option}", *required))
     assert isinstance(cfg, TrainConfig)

@@ -13,10 +13,12 @@ from ddp_utils.config.data import (
     DigitsSegData,
     ImageFolderData,
     MnistSegData,
+    PyStdlibData,
     SegFolderData,
     SegmentationData,
     StreamedData,
     SyntheticData,
+    TokenData,
     TorchvisionData,
     VOCData,
     skips_bad_images,
@@ -25,6 +27,8 @@ from ddp_utils.config.errors import ConfigError, whole_sentences
 from ddp_utils.config.model import (
     ConvNetModel,
     CustomModel,
+    GPTModel,
+    HFModel,
     MLPModel,
     ModelConfig,
     SegConvNetModel,
@@ -34,6 +38,7 @@ from ddp_utils.config.model import (
 from ddp_utils.config.options import option_schema, options_help, own_keys
 from ddp_utils.config.schema import (
     EvalConfig,
+    GenerateConfig,
     OptimConfig,
     SchedConfig,
     TrainConfig,
@@ -47,15 +52,17 @@ from ddp_utils.config.schema import (
     unknown_keys,
     validate,
 )
-from ddp_utils.config.task import CustomTask, SegmentationTask, TaskConfig
+from ddp_utils.config.task import CustomTask, LanguageModelTask, SegmentationTask, TaskConfig
 
 __all__ = [
     "CanvasData", "ConfigError", "ConvNetModel", "CustomData", "CustomModel", "CustomTask",
-    "DataConfig", "DigitsData", "DigitsSegData", "EvalConfig", "ImageFolderData", "MLPModel",
+    "DataConfig", "DigitsData", "DigitsSegData", "EvalConfig", "GenerateConfig", "ImageFolderData",
+    "MLPModel",
     "MnistSegData", "ModelConfig", "OptimConfig", "SchedConfig", "SegConvNetModel",
     "SegFolderData", "SegZooModel", "SegmentationData", "SegmentationTask", "StreamedData",
     "SyntheticData", "TaskConfig", "TorchvisionData", "TrainConfig", "TrainerConfig",
-    "VOCData", "ZooModel", "as_plain_dict", "collect_target_kwargs", "from_record",
+    "VOCData", "ZooModel", "TokenData", "PyStdlibData", "GPTModel", "HFModel",
+    "LanguageModelTask", "as_plain_dict", "collect_target_kwargs", "from_record",
     "option_defaults", "option_schema", "options_help", "own_keys", "register_configs",
     "skips_bad_images", "to_schema", "unknown_keys", "validate", "whole_sentences",
 ]  # fmt: skip

@@ -74,6 +74,11 @@ class DataConfig:
                 f"{self.in_channels}); got {len(self.mean)} and {len(self.std)}."
             )
 
+    def sizes(self) -> dict[str, Any]:
+        """What models and tasks are offered (where their signatures take them)."""
+        return {"num_classes": self.num_classes, "in_channels": self.in_channels,
+                "image_size": self.image_size}  # fmt: skip
+
 
 @dataclass
 class DigitsData(DataConfig):
@@ -297,6 +302,64 @@ class VOCData(SegmentationData):
     val_set: str = "val"
 
 
+TOKEN_DTYPES = ("uint8", "uint16", "uint32")
+TOKENIZERS = ("char", "bytes")  # data=pystdlib's; prepare_text also has bpe
+
+
+@dataclass
+class TokenData(DataConfig):
+    """data=tokens: nanoGPT's layout, root/train.bin and root/val.bin (flat token ids, read
+    with numpy.memmap) and root/meta.json (vocab_size, dtype, the tokenizer)."""
+
+    name: str = "tokens"
+    root: str | None = "data"
+    batch_size: int = 12
+    block_size: int = 64  # context length: windows of block_size + 1 tokens
+    eval_batch_size: int | None = None  # validation windows per batch; null = batch_size
+    # null = meta.json's; a larger value pads the embedding (GPT-2's 50304 for 50257)
+    vocab_size: int | None = None
+    dtype: str | None = None  # null = meta.json's (uint16 without one)
+    # The ids of a sample of each file are checked against vocab_size at start (null: all of
+    # a file up to this many tokens is read; every batch is checked as it is read anyway).
+    check_tokens: int = 1_000_000
+    # Not images: the image keys keep their defaults; num_classes is set to vocab_size.
+    in_channels: int = 1
+    image_size: int = 1
+
+    def check(self) -> None:
+        super().check()
+        check_positive("data.block_size", self.block_size)
+        check_positive("data.eval_batch_size", self.eval_batch_size)
+        check_positive("data.vocab_size", self.vocab_size)
+        check_positive("data.check_tokens", self.check_tokens, allow_zero=True)
+        if self.dtype is not None:
+            check_choice("data.dtype", self.dtype, TOKEN_DTYPES)
+        if self.mixup_alpha or self.cutmix_alpha or self.augment:
+            raise ConfigError(
+                f"data={self.name} holds token ids: data.augment, data.mixup_alpha and "
+                "data.cutmix_alpha apply to images; leave them at their defaults."
+            )
+
+    def sizes(self) -> dict[str, Any]:
+        return super().sizes() | {"vocab_size": self.num_classes, "block_size": self.block_size}
+
+
+@dataclass
+class PyStdlibData(TokenData):
+    """data=pystdlib: the running interpreter's standard library .py sources as text,
+    tokenized once into root (null = the per-user data cache)."""
+
+    name: str = "pystdlib"
+    root: str | None = None
+    tokenizer: str = "char"  # char | bytes
+    val_fraction: float = 0.1  # the last tenth of the text, as prepare_text
+
+    def check(self) -> None:
+        super().check()
+        check_choice("data.tokenizer", self.tokenizer, TOKENIZERS)
+        check_holdout(self.val_fraction, None)
+
+
 DATA_OPTIONS: dict[str, type[DataConfig]] = {
     "digits": DigitsData,
     "mnist": TorchvisionData,
@@ -309,6 +372,8 @@ DATA_OPTIONS: dict[str, type[DataConfig]] = {
     "mnist_seg": MnistSegData,
     "segfolder": SegFolderData,
     "voc": VOCData,
+    "tokens": TokenData,
+    "pystdlib": PyStdlibData,
 }
 
 

@@ -113,6 +113,48 @@ class SegZooModel(ModelConfig):
             raise ConfigError("model=torchvision_seg needs model.arch=NAME.")
 
 
+@dataclass
+class GPTModel(ModelConfig):
+    """model=gpt: a decoder-only transformer (pre-norm, causal attention, tied embeddings);
+    its context length is data.block_size, its vocabulary data.vocab_size."""
+
+    _target_: str = "ddp_utils.models.gpt.GPT"
+    name: str = "gpt"
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+    bias: bool = False  # in the Linear and LayerNorm layers
+
+    def check(self) -> None:
+        for key in ("n_layer", "n_head", "n_embd"):
+            check_positive(f"model.{key}", getattr(self, key))
+        if self.n_embd % self.n_head:
+            raise ConfigError(
+                f"model.n_embd={self.n_embd} is not divisible by model.n_head={self.n_head}: "
+                "each head takes n_embd / n_head channels. Pick an n_embd that is a multiple "
+                f"of n_head (e.g. {self.n_head * max(1, round(self.n_embd / self.n_head))})."
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model.dropout={self.dropout} must lie in [0, 1).")
+
+
+@dataclass
+class HFModel(ModelConfig):
+    """model=hf: a Hugging Face transformers causal LM built from its configuration alone
+    (no weights are fetched), sized by data.vocab_size and data.block_size (the [hf] extra)."""
+
+    _target_: str = "ddp_utils.models.zoo.hf_causal_lm"
+    name: str = "hf"
+    arch: str = "gpt2"  # a model type of transformers' CONFIG_MAPPING
+    # The configuration's own keys, e.g. {n_layer: 4, n_head: 4, n_embd: 128}
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+    def check(self) -> None:
+        if not self.arch:
+            raise ConfigError("model=hf needs model.arch=NAME (gpt2, llama, ...).")
+
+
 MODEL_OPTIONS: dict[str, type[ModelConfig]] = {
     "convnet": ConvNetModel,
     "mlp": MLPModel,
@@ -122,4 +164,6 @@ MODEL_OPTIONS: dict[str, type[ModelConfig]] = {
     "custom": CustomModel,
     "seg_convnet": SegConvNetModel,
     "torchvision_seg": SegZooModel,
+    "gpt": GPTModel,
+    "hf": HFModel,
 }

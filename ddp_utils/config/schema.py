@@ -16,7 +16,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from ddp_utils.config.data import DataConfig, DigitsData
+from ddp_utils.config.data import DataConfig, DigitsData, TokenData
 from ddp_utils.config.errors import ConfigError, check_choice, check_fraction, check_positive
 from ddp_utils.config.model import ConvNetModel, ModelConfig
 from ddp_utils.config.options import (
@@ -49,6 +49,9 @@ class OptimConfig:
     norm_weight_decay: float | None = None  # normalisation layers; null = weight_decay
     bias_weight_decay: float | None = None  # biases; null = weight_decay
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    # Weight decay on weights of 2 or more dimensions only (nanoGPT's rule): biases and
+    # normalisation gains (1-D) take none, whatever norm/bias_weight_decay say.
+    decay_2d_only: bool = False
 
 
 @dataclass
@@ -67,7 +70,10 @@ class SchedConfig:
 @dataclass
 class TrainerConfig:
     epochs: int = 10
-    max_steps: int | None = None  # optimizer steps; null = no cap
+    # The run's length in optimizer steps (as many epochs as that takes); null = epochs
+    max_steps: int | None = None
+    # Validate (and checkpoint) every N steps and at the end instead of at epoch ends
+    val_every_steps: int | None = None
     precision: str = "auto"  # auto: bf16 where the hardware computes it natively, else 32
     sync_bn: bool = False
     grad_accum_steps: int = 1
@@ -114,6 +120,29 @@ class EvalConfig(TrainConfig):
     ema: bool = False  # score the checkpoint's EMA weights (model_ema)
 
 
+@dataclass
+class GenerateConfig:
+    """generate.py: sample text from a language-model checkpoint (one process)."""
+
+    checkpoint: str = "???"
+    prompt: str = "\n"
+    max_new_tokens: int = 200
+    temperature: float = 0.8  # 0 = greedy (the most likely token every time)
+    top_k: int | None = 200  # sample among the k likeliest tokens; null = all
+    seed: int = 0
+    num_samples: int = 3
+    device: str = "auto"  # auto (cuda if there is one) | cpu | cuda
+    ema: bool = False  # the checkpoint's EMA weights
+    output: str | None = None  # also write the samples to this JSON file
+
+    def check(self) -> None:
+        check_positive("max_new_tokens", self.max_new_tokens)
+        check_positive("num_samples", self.num_samples)
+        check_positive("top_k", self.top_k)
+        check_positive("temperature", self.temperature, allow_zero=True)
+        check_choice("device", self.device, DEVICES)
+
+
 def _open_groups(schema: type) -> Any:
     """``schema`` with each option group typed by its base, so that any option's schema
     (a subclass) can be merged in; OmegaConf refuses to merge one subclass onto another."""
@@ -127,6 +156,7 @@ def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=_open_groups(TrainConfig))
     cs.store(name="eval_schema", node=_open_groups(EvalConfig))
+    cs.store(name="generate_schema", node=GenerateConfig)
     for group, (_, options) in GROUPS.items():
         for option, schema in options.items():
             cs.store(name=store_name(group, option), node=schema)
@@ -147,11 +177,27 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             )
         node.check()
     check_run(cfg)
+    check_tokens_pairing(cfg)
     if cfg.model.name == "convnet" and cfg.data.image_size < 4:
         raise ConfigError(
             f"model=convnet pools twice: data.image_size={cfg.data.image_size} must be >= 4."
         )
     return cfg
+
+
+def check_tokens_pairing(cfg: TrainConfig) -> None:
+    """Token ids need a task for tokens, and a language model needs token ids."""
+    tokens = isinstance(cfg.data, TokenData)
+    if cfg.task.name == "language_model" and not tokens:
+        raise ConfigError(
+            f"task=language_model needs token data: data=tokens data.root=DIR or data=pystdlib "
+            f"(this is data={cfg.data.name}); experiment=lm_char sets all of it."
+        )
+    if tokens and cfg.task.name in ("classification", "segmentation"):
+        raise ConfigError(
+            f"data={cfg.data.name} holds token ids: train it with task=language_model and "
+            "model=gpt (or model=hf | custom), or start from experiment=lm_char."
+        )
 
 
 def check_run(cfg: TrainConfig) -> None:
@@ -169,6 +215,7 @@ def check_run(cfg: TrainConfig) -> None:
         ("optim.lr", o.lr),
         ("trainer.epochs", t.epochs),
         ("trainer.max_steps", t.max_steps),
+        ("trainer.val_every_steps", t.val_every_steps),
         ("trainer.grad_accum_steps", t.grad_accum_steps),
         ("trainer.grad_clip", t.grad_clip),
         ("trainer.timeout_s", t.timeout_s),
@@ -192,6 +239,10 @@ def check_run(cfg: TrainConfig) -> None:
     ):
         check_positive(key, value, allow_zero=True)
     check_fraction("trainer.label_smoothing", t.label_smoothing)
+    if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
+        raise ConfigError(
+            f"optim.betas={list(o.betas)} needs two values in [0, 1), e.g. [0.9,0.95]."
+        )
     if t.ema_decay is not None and not 0.0 < t.ema_decay < 1.0:
         raise ConfigError(
             f"trainer.ema_decay={t.ema_decay} must lie in (0, 1); null turns EMA off."

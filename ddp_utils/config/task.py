@@ -65,8 +65,20 @@ class SegmentationTask(TaskConfig):
             raise ConfigError(f"task.aux_weight={self.aux_weight} must be >= 0.")
 
 
+@dataclass
+class LanguageModelTask(TaskConfig):
+    """task=language_model: next-token cross-entropy summed over tokens; val/loss,
+    val/perplexity and (where the tokenizer knows bytes per token) val/bits_per_byte."""
+
+    _target_: str = "ddp_utils.tasks.language_model.LanguageModel"
+    name: str = "language_model"
+    monitor: str = "loss"
+    monitor_mode: str = "min"
+
+
 TASK_OPTIONS: dict[str, type[TaskConfig]] = {
     "classification": TaskConfig,
     "custom": CustomTask,
     "segmentation": SegmentationTask,
+    "language_model": LanguageModelTask,
 }

@@ -1,7 +1,8 @@
 """Models: any ``_target_`` built with Hydra's ``instantiate``, sized from the data config.
 
 ``model._target_`` names a class or function. The builder passes ``num_classes``,
-``in_channels`` and ``image_size`` from the data config, and the option's own keys (its
+``in_channels`` and ``image_size`` from the data config (token data: also ``vocab_size`` and
+``block_size``), and the option's own keys (its
 schema's: ``arch``, ``channels``, ``hidden``, ...), to a target whose signature takes them;
 ``+model.NAME=VALUE`` arguments (``model=custom``) always go to the target, which checks them.
 ``model.weights=PATH`` then loads a local state dict.
@@ -26,11 +27,9 @@ def target_arguments(
     cfg: ModelConfig, data: DataConfig, num_outputs: int | None = None
 ) -> dict[str, Any]:
     """What the target is called with (also stored in checkpoints through the config)."""
-    offered: dict[str, Any] = {
-        "num_classes": data.num_classes if num_outputs is None else num_outputs,
-        "in_channels": data.in_channels,
-        "image_size": data.image_size,
-    }  # fmt: skip
+    offered = data.sizes()  # num_classes, in_channels, image_size (token data: vocab, block)
+    if num_outputs is not None:
+        offered["num_classes"] = num_outputs
     given = getattr(cfg, "kwargs", {})  # model=custom's +model.NAME=VALUE
     offered |= {k: getattr(cfg, k) for k in own_keys(type(cfg), "model") if k != "kwargs"}
     return targets.target_arguments("model._target_", cfg._target_, offered, given)

@@ -13,7 +13,7 @@ import torch
 from hydra.utils import get_object
 from torch import nn
 
-from ddp_utils.config import ConfigError, CustomModel, DataConfig, ModelConfig
+from ddp_utils.config import ConfigError, CustomModel, DataConfig, ModelConfig, TokenData
 from ddp_utils.targets import why
 
 PROBE_BATCH = 2  # BatchNorm needs more than one value per channel (it is in eval mode anyway)
@@ -68,9 +68,12 @@ def check_logits(out: object, cfg: ModelConfig, data: DataConfig, expected: tupl
         )
     if tuple(out.shape) != expected:
         size = data.image_size
+        inputs = f"images of {data.in_channels}x{size}x{size}"
+        if isinstance(data, TokenData):
+            inputs = f"sequences of {data.block_size} token ids"
         raise ConfigError(
-            f"the output of {describe(cfg)} for a batch of {PROBE_BATCH} images of "
-            f"{data.in_channels}x{size}x{size} has shape {tuple(out.shape)}, but {what} needs "
+            f"the output of {describe(cfg)} for a batch of {PROBE_BATCH} {inputs} "
+            f"has shape {tuple(out.shape)}, but {what} needs "
             f"{expected}. Build the model for it (model=custom: pass the class count under the "
             "name its constructor takes, +model.NAME=VALUE), or correct the data's settings."
         )

@@ -1,10 +1,12 @@
-"""Model zoos as targets: any classification or segmentation model of torchvision, or a
-classification model of timm when installed."""
+"""Model zoos as targets: any classification or segmentation model of torchvision, a
+classification model of timm, or a causal LM of Hugging Face transformers, when installed."""
 
 from __future__ import annotations
 
 import difflib
+from typing import Any
 
+import torch
 import torchvision
 from torch import nn
 
@@ -124,3 +126,46 @@ def load_backbone(backbone: nn.Module, path: str) -> None:
             " Give the state dict of the classifier it is built on (resnet50 for "
             "deeplabv3_resnet50, say)."
         )
+
+
+class CausalLM(nn.Module):
+    """A transformers causal LM as an (N, T) ids -> (N, T, vocab) logits module."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=idx, use_cache=False).logits
+
+
+def hf_causal_lm(
+    arch: str, vocab_size: int, block_size: int, overrides: dict[str, Any] | None = None
+) -> nn.Module:
+    """model=hf: ``transformers``' ``arch`` built from its configuration class alone (no
+    weights or files fetched), with ``vocab_size``, the context ``block_size`` and
+    ``model.overrides`` (the configuration's own keys)."""
+    try:
+        from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+    except ImportError:
+        raise ConfigError(
+            "model=hf needs the transformers package: pip install -e '.[hf]'."
+        ) from None
+    if arch not in CONFIG_MAPPING:
+        names = sorted(CONFIG_MAPPING.keys())
+        close = difflib.get_close_matches(arch, names, n=5, cutoff=0.5)
+        raise ConfigError(
+            f"model.arch={arch} is not a transformers model type"
+            + (f" (close matches: {', '.join(close)})" if close else "")
+            + "; pick one such as gpt2 or llama."
+        )
+    # No special token ids: they would point outside a small vocabulary.
+    args = {"vocab_size": vocab_size, "bos_token_id": None, "eos_token_id": None}
+    config = CONFIG_MAPPING[arch](**args | dict(overrides or {}))
+    positions = getattr(config, "max_position_embeddings", 0) or 0
+    config.max_position_embeddings = max(block_size, positions)
+    try:
+        model = AutoModelForCausalLM.from_config(config)
+    except ValueError as e:
+        raise ConfigError(f"model.arch={arch} has no causal LM in transformers ({e}).") from None
+    return CausalLM(model)

@@ -17,9 +17,10 @@ from hydra.utils import instantiate
 from torch import nn
 
 from ddp_utils.config import ConfigError, SegmentationData, TrainConfig, own_keys
+from ddp_utils.data import offered_by_data
 from ddp_utils.dist import Runtime
 from ddp_utils.models import memory_format_of
-from ddp_utils.models.probe import PROBE_BATCH, blank_images, check_logits, eval_mode, size_error
+from ddp_utils.models.probe import PROBE_BATCH, check_logits, eval_mode, size_error
 from ddp_utils.run import log
 from ddp_utils.targets import target_arguments, why
 from ddp_utils.tasks.base import Batch, Task
@@ -36,7 +37,8 @@ CLASSIFICATION_ONLY = {  # options that only mean something for class labels
 
 def build_task(cfg: TrainConfig) -> Task:
     """The task of ``task._target_``, given what its signature takes of ``num_classes``,
-    ``in_channels`` and ``image_size`` (and, for classification, the loss options)."""
+    ``in_channels`` and ``image_size`` (token data: ``vocab_size``, ``block_size`` and
+    ``token_bytes``; classification: the loss options)."""
     t = cfg.task
     if t.name != "classification":
         used = [key for key, on in CLASSIFICATION_ONLY.items() if on(cfg)]
@@ -46,10 +48,7 @@ def build_task(cfg: TrainConfig) -> Task:
                 "set them to 0."
             )
     check_pairing(cfg)
-    offered: dict[str, Any] = {
-        "num_classes": cfg.data.num_classes, "in_channels": cfg.data.in_channels,
-        "image_size": cfg.data.image_size,
-    }  # fmt: skip
+    offered = offered_by_data(cfg.data)
     offered |= {k: getattr(t, k) for k in own_keys(type(t), "task") if k != "kwargs"}
     if t.name == "classification":
         from ddp_utils.tasks.classification import build_mixing
@@ -139,7 +138,7 @@ def check_task(
             check_logits(task.logits(out), cfg.model, cfg.data, expected, task.output_keys())
 
     checked = _Checked(model, check)
-    inputs = blank_images(cfg.data, cfg.data.image_size, device, memory_format)
+    inputs = task.blank_inputs(PROBE_BATCH, cfg.data, device, memory_format)
     target = task.blank_target(PROBE_BATCH, cfg.data.image_size, device)
     batch = Batch(inputs, target, True)
     try:
@@ -148,8 +147,8 @@ def check_task(
     except ConfigError:
         raise
     except Exception as e:
-        if checked.ran:
-            raise  # the model ran: a bug in the task, with its traceback
+        if checked.ran or inputs.ndim != 4:
+            raise  # the model ran (a bug in the task), or no image size to try
         error = size_error(model, cfg.model, cfg.data, device, memory_format, e)
         if error is None:
             raise  # no size helps: a bug in the model, with its traceback

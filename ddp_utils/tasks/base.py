@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ddp_utils.data.samplers import IGNORE_LABEL
+from ddp_utils.models.probe import blank_images
 
 
 @dataclass
@@ -54,7 +55,8 @@ class Task:
       ``{_target_: ...}`` mapping; ``task.metrics`` adds to them. ``task.monitor`` names the one
       that picks best.pt (``loss`` is always there).
     - ``output_shape(n)``: the model's output shape for ``n`` images (of ``logits(out)``),
-      checked before the first step on ``blank_target`` targets; None skips the check.
+      checked before the first step on ``blank_inputs`` and ``blank_target``; None skips
+      the check.
       ``num_outputs()``: the model's ``num_classes`` argument (None: ``data.num_classes``),
       one for a regression, say. ``draw(...)``: a picture of predictions (segmentation's).
     """
@@ -85,6 +87,11 @@ class Task:
         """The part of the model's output that ``output_shape`` describes (a segmentation
         model's dict: its ``out``)."""
         return out
+
+    def blank_inputs(self, n: int, data: Any, device: torch.device,
+                     memory_format: torch.memory_format) -> torch.Tensor:  # fmt: skip
+        """``PROBE_BATCH`` blank inputs of the data's shape (black images), for the check."""
+        return blank_images(data, data.image_size, device, memory_format)
 
     def blank_target(self, n: int, size: int, device: torch.device) -> torch.Tensor:
         """A target for ``n`` blank images of ``size`` pixels (the check before training)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 from pathlib import Path
@@ -12,7 +13,7 @@ import torch
 from torch import nn
 
 from ddp_utils.config import TrainConfig, skips_bad_images
-from ddp_utils.data import BAD_LABEL, IGNORE_LABEL
+from ddp_utils.data import BAD_LABEL, IGNORE_LABEL, resolve_data
 from ddp_utils.dist import Runtime, all_reduce_sum, broadcast_buffers
 from ddp_utils.metrics import evaluate, scalars
 from ddp_utils.preemption import Preempted
@@ -40,7 +41,7 @@ from ddp_utils.train.state import (
 )
 
 # The per-epoch values of metrics.jsonl that also go to TensorBoard, besides val/* and val_ema/*.
-TRACKED = ("train/loss", "lr", "samples_per_s")
+TRACKED = ("train/loss", "lr", "samples_per_s", "tokens_per_s")
 VALIDATION = ("val/", "val_ema/")
 
 
@@ -78,11 +79,12 @@ def train_step(tr: Training, images: torch.Tensor, labels: torch.Tensor, scale: 
     tr.epoch_totals[1] += n_real
 
 
-def train_one_epoch(tr: Training) -> dict[str, float]:
+def train_one_epoch(tr: Training) -> dict[str, float] | None:
     """Train the rest of the current epoch on this rank's shard (all of it unless resumed).
 
-    Returns the epoch's loss averaged over every rank's samples. Raises ``Preempted`` after
-    checkpointing when a stop signal arrives.
+    Returns the epoch's loss averaged over every rank's samples; under
+    ``trainer.val_every_steps`` it validates at those steps itself and returns None. Raises
+    ``Preempted`` after checkpointing when a stop signal arrives.
     """
     loader, accum, sampler = tr.data.train, tr.cfg.trainer.grad_accum_steps, tr.data.train_sampler
     sampler.set_epoch(tr.epoch, tr.sample_offset)
@@ -99,12 +101,23 @@ def train_one_epoch(tr: Training) -> dict[str, float]:
             train_step(tr, images, labels, scale=1.0 / group_len)
         if last_micro:
             optimizer_step(tr)
-            tr.sample_offset = sampler.consumed(i + 1, tr.cfg.data.batch_size)
-            after_step(tr, end_of_epoch=i + 1 == n_batches)
+            offset = sampler.consumed(i + 1, tr.cfg.data.batch_size)
+            tr.samples_seen += offset - tr.sample_offset
+            tr.sample_offset = offset
+            end = i + 1 == n_batches
+            due = validation_due(tr, end)
+            after_step(tr, checkpoint_follows=due or (end and not step_mode(tr)))
+            if due:
+                validate_and_save(tr, interval_stats(tr), epoch_done=end)
+                tr.model.train()
             if reached_max_steps(tr):
                 break
     tr.watchdog.disarm()
     tr.progress.end_epoch()
+    if step_mode(tr):
+        if tr.sample_offset == sampler.length:  # done, and no validation rolled it over
+            tr.epoch, tr.sample_offset = tr.epoch + 1, 0
+        return None
     totals = all_reduce_sum(tr.epoch_totals.clone()).tolist()
     elapsed = time.perf_counter() - start
     # The samples all ranks went through in this process (padding duplicates are no position
@@ -116,8 +129,38 @@ def train_one_epoch(tr: Training) -> dict[str, float]:
     return stats
 
 
-def after_step(tr: Training, end_of_epoch: bool) -> None:
-    """Step-boundary duties: callbacks, a requested stop, step checkpoints, the log line."""
+def step_mode(tr: Training) -> bool:
+    """``trainer.val_every_steps``: validation and checkpoints at step counts, not epochs."""
+    return tr.cfg.trainer.val_every_steps is not None
+
+
+def finished(tr: Training) -> bool:
+    """``trainer.max_steps`` steps (as many epochs as that takes), else ``trainer.epochs``."""
+    return reached_max_steps(tr) or (
+        tr.cfg.trainer.max_steps is None and tr.epoch >= tr.cfg.trainer.epochs
+    )
+
+
+def validation_due(tr: Training, end_of_epoch: bool) -> bool:
+    """Step mode: every ``val_every_steps`` steps and at the run's last step."""
+    t = tr.cfg.trainer
+    if t.val_every_steps is None:
+        return False
+    last_epoch = t.max_steps is None and end_of_epoch and tr.epoch + 1 >= t.epochs
+    return tr.step % t.val_every_steps == 0 or reached_max_steps(tr) or last_epoch
+
+
+def interval_stats(tr: Training) -> dict[str, float]:
+    """Step mode: the training loss and speed since the last validation (every rank)."""
+    totals = all_reduce_sum(tr.epoch_totals.clone()).tolist()
+    elapsed = time.perf_counter() - tr.interval_start
+    samples = tr.samples_seen - tr.interval_samples
+    return {"train/loss": totals[0] / max(totals[1], 1), "samples_per_s": samples / elapsed}
+
+
+def after_step(tr: Training, checkpoint_follows: bool) -> None:
+    """Step-boundary duties: callbacks, a requested stop, step checkpoints (unless a
+    validation's checkpoint follows at this step), the log line."""
     tr.watchdog.beat()
     if tr.step == tr.first_step:
         log.info("first training step done %.2f s after the process started",
@@ -132,7 +175,7 @@ def after_step(tr: Training, end_of_epoch: bool) -> None:
             log.warning("%s: checkpoint written, exiting with code %d", stopped, stopped.exit_code)
         raise stopped
     every = tr.cfg.trainer.ckpt_every_steps
-    if every and tr.step % every == 0 and not end_of_epoch:
+    if every and tr.step % every == 0 and not checkpoint_follows:
         save(tr)
     tr.progress.update(tr.step)
     if tr.step % tr.cfg.trainer.log_every_steps == 0 and tr.rt.is_main:
@@ -178,16 +221,21 @@ def log_epoch(tr: Training, record: dict[str, Any]) -> None:
     shown = "" if key == "loss" else f" | val/{key} {record[f'val/{key}']:.4f}"
     if tr.ema is not None:
         shown += f" | val_ema/{key} {record[f'val_ema/{key}']:.4f}"
+    rate = f"{record['samples_per_s']:.0f} samples/s"
+    if "tokens_per_s" in record:
+        rate = f"{record['tokens_per_s']:.0f} tokens/s, {record['tokens']} tokens"
     log.info(
-        "epoch %d | step %d | train/loss %.4f | val/loss %.4f%s (%d samples) | %.0f samples/s",
+        "epoch %d | step %d | train/loss %.4f | val/loss %.4f%s (%d samples) | %s",
         tr.epoch, tr.step, record["train/loss"], record["val/loss"], shown,
-        record["val/num_samples"], record["samples_per_s"],
+        record["val/num_samples"], rate,
     )  # fmt: skip
 
 
-def validate_and_save(tr: Training, train_stats: dict[str, float]) -> dict[str, Any]:
-    """Score the epoch on every rank (and the EMA weights), log it, then checkpoint the start
-    of the next epoch."""
+def validate_and_save(
+    tr: Training, train_stats: dict[str, float], epoch_done: bool = True
+) -> dict[str, Any]:
+    """Score the model on every rank (and the EMA weights), log it, then checkpoint: the start
+    of the next epoch (``epoch_done``) or, in step mode, this step inside the epoch."""
     if not math.isfinite(train_stats["train/loss"]):  # all-reduced: the same on every rank
         raise diverged(tr, "the training loss")
     # Validate exactly what the checkpoint below holds: rank 0's running statistics. (Training
@@ -197,6 +245,10 @@ def validate_and_save(tr: Training, train_stats: dict[str, float]) -> dict[str, 
         "epoch": tr.epoch, "step": tr.step, "world_size": tr.rt.world_size, "lr": current_lr(tr),
         **train_stats, **validate(tr, tr.raw_model, "val"),
     }  # fmt: skip
+    per_sample = tr.data.tokens_per_sample
+    if per_sample is not None:
+        record |= {"tokens": tr.samples_seen * per_sample,
+                   "tokens_per_s": train_stats["samples_per_s"] * per_sample}  # fmt: skip
     if tr.ema is not None:
         record |= validate(tr, tr.ema.module, "val_ema")
     append_metrics(tr.run_dir, record, tr.rt)
@@ -210,10 +262,13 @@ def validate_and_save(tr: Training, train_stats: dict[str, float]) -> dict[str, 
     if tr.ema is not None and improved(record[f"val_ema/{key}"], tr.best_ema, mode):
         tr.best_ema = record[f"val_ema/{key}"]
         also += ["best_ema.pt"] if tr.cfg.trainer.save_best_ema else []
-    tr.epoch, tr.sample_offset = tr.epoch + 1, 0
+    if epoch_done:
+        tr.epoch, tr.sample_offset = tr.epoch + 1, 0
     tr.epoch_totals.zero_()
     save(tr, also=tuple(also))
     tr.callbacks.on_epoch_end(tr, record)
+    tr.record = record
+    tr.interval_start, tr.interval_samples = time.perf_counter(), tr.samples_seen
     return record
 
 
@@ -226,6 +281,7 @@ def fit(cfg: TrainConfig, rt: Runtime, default_run_dir: str | None = None) -> fl
     """
     check_runtime(cfg.trainer, rt)
     cfg = resolve_auto(cfg, rt)
+    cfg = dataclasses.replace(cfg, data=resolve_data(cfg.data, rt))
     run = resolve_run_dir(cfg.run_dir or default_run_dir, rt)
     try:
         try:
@@ -275,11 +331,13 @@ def train_epochs(tr: Training) -> dict[str, Any]:
         tr.run_dir, rt.world_size, rt.device, rt.backend, t.precision, global_batch(cfg, rt),
         cfg.data.batch_size, rt.world_size, t.grad_accum_steps, tr.total_steps,
     )  # fmt: skip
-    if tr.epoch >= t.epochs or reached_max_steps(tr):
+    if finished(tr):
         log.info("nothing to train: the run already did %d epochs, %d steps", tr.epoch, tr.step)
     tr.callbacks.on_train_start(tr)
-    record: dict[str, Any] = {}
-    while tr.epoch < t.epochs and not reached_max_steps(tr):
-        record = validate_and_save(tr, train_one_epoch(tr))
+    tr.interval_start, tr.interval_samples = time.perf_counter(), tr.samples_seen
+    while not finished(tr):
+        stats = train_one_epoch(tr)
+        if stats is not None:
+            validate_and_save(tr, stats)
     tr.callbacks.on_train_end(tr)
-    return record
+    return tr.record

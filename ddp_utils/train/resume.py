@@ -34,7 +34,7 @@ IDENTITY_KEYS = (
     "data.name", "data.in_channels", "data.image_size", "data.num_classes", "data.mean",
     "data.std", "data.val_fraction", "data.split_seed", "data.num_train", "data.num_val",
     "data._target_", "data.kwargs", "data.val_slice", "seed", "task.name",
-    "task._target_", "task.kwargs",
+    "task._target_", "task.kwargs", "data.block_size", "data.tokenizer", "data.vocab_size",
 )  # fmt: skip
 
 
@@ -65,6 +65,8 @@ def checkpoint_state(tr: Training) -> dict[str, Any]:
         **({"model_ema": tr.ema.state_dict()} if tr.ema else {}),
         "world_size": tr.rt.world_size,
         "classes": tr.data.classes,
+        "samples_seen": tr.samples_seen,
+        **({"tokenizer": tr.data.tokenizer} if tr.data.tokenizer is not None else {}),
         "config": tr.config_record,
     }
 
@@ -189,7 +191,7 @@ def resume(tr: Training) -> None:
 
 def resumed_total_steps(tr: Training, ckpt: dict[str, Any]) -> tuple[int, int]:
     """(the run's length in optimizer steps, steps per epoch) from the checkpoint on, at this
-    world size: its steps so far, the rest of its epoch, then whole epochs (capped by
+    world size: its steps so far, the rest of its epoch, then whole epochs (or
     trainer.max_steps)."""
     t, batch, sampler = tr.cfg.trainer, tr.cfg.data.batch_size, tr.data.train_sampler
 
@@ -197,9 +199,11 @@ def resumed_total_steps(tr: Training, ckpt: dict[str, Any]) -> tuple[int, int]:
         per_rank = math.ceil((sampler.length - start) / sampler.world_size)
         return math.ceil(math.ceil(per_rank / batch) / t.grad_accum_steps)
 
+    if t.max_steps is not None:  # the run's length, whatever the world size
+        return t.max_steps, steps(0)
     rest = steps(ckpt["sample_offset"]) if ckpt["epoch"] < t.epochs else 0
     total = ckpt["step"] + rest + max(0, t.epochs - ckpt["epoch"] - 1) * steps(0)
-    return (total if t.max_steps is None else min(total, t.max_steps)), steps(0)
+    return total, steps(0)
 
 
 def restore(tr: Training, ckpt: dict[str, Any]) -> None:
@@ -222,6 +226,7 @@ def restore(tr: Training, ckpt: dict[str, Any]) -> None:
     tr.scaler.load_state_dict(ckpt["scaler"])
     tr.epoch, tr.step = ckpt["epoch"], ckpt["step"]
     tr.sample_offset = ckpt["sample_offset"]
+    tr.samples_seen = ckpt.get("samples_seen", 0)  # 0: a checkpoint from before it was kept
     tr.best, tr.best_ema = resumed_best(ckpt, tr.cfg.task.monitor)
     if tr.ema is not None and "model_ema" in ckpt:
         tr.ema.load_state_dict(ckpt["model_ema"])

@@ -101,6 +101,11 @@ class Training:
     best: float | None = None
     best_ema: float | None = None
     first_step: int = 1  # the step number of this process's first step (after a resume too)
+    samples_seen: int = 0  # the positions all ranks trained on so far (tokens: x block_size)
+    # Step mode's interval since the last validation: its start time and samples_seen then
+    interval_start: float = 0.0
+    interval_samples: int = 0
+    record: dict[str, Any] = field(default_factory=dict)  # the newest validation record
     # The last validation's full results by prefix ("val", "val_ema"): the confusion matrix,
     # per-class accuracy, ... of which metrics.jsonl keeps the headline numbers.
     validation: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -143,9 +148,7 @@ def build_training(cfg: TrainConfig, rt: Runtime, run_dir: Path) -> Training:
     seed_everything(cfg.seed + rt.rank)
     data = build_data(cfg.data, rt, seed=cfg.seed, channels_last=t.channels_last)
     steps_per_epoch = math.ceil(len(data.train) / t.grad_accum_steps)
-    total_steps = t.epochs * steps_per_epoch
-    if t.max_steps is not None:
-        total_steps = min(total_steps, t.max_steps)
+    total_steps = t.epochs * steps_per_epoch if t.max_steps is None else t.max_steps
     optimizer = build_optimizer(cfg.optim, raw_model)
     return Training(
         cfg=cfg,

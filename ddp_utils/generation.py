@@ -1,0 +1,108 @@
+"""generate.py's phases: the model and tokenizer of a checkpoint, then sampling.
+
+Sampling is autoregressive over the last ``data.block_size`` tokens, with temperature and top-k
+and one ``torch.Generator`` seeded by ``seed``: the same checkpoint, prompt and seed give the
+same text on the same device.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ddp_utils.config import ConfigError, GenerateConfig, from_record, to_schema
+from ddp_utils.data.tokenizer import Tokenizer, from_spec
+from ddp_utils.files import atomic_write_text
+from ddp_utils.models import build_model
+from ddp_utils.models.probe import eval_mode
+from ddp_utils.train.checkpoint import load_checkpoint, load_model_state
+
+
+def load_generator(cfg: GenerateConfig, device: torch.device) -> tuple[nn.Module, Tokenizer, int]:
+    """The checkpoint's model (eval mode, on ``device``), its tokenizer and context length."""
+    ckpt = load_checkpoint(cfg.checkpoint)
+    spec = ckpt.get("tokenizer")
+    train_cfg = to_schema(from_record(ckpt["config"]))
+    if spec is None or train_cfg.task.name != "language_model":
+        raise ConfigError(
+            f"checkpoint={cfg.checkpoint} holds no language model with a tokenizer (it was "
+            f"trained with task={train_cfg.task.name} on data={train_cfg.data.name}): give a "
+            "checkpoint of task=language_model on data prepared with a tokenizer "
+            "(prepare_text, data=pystdlib)."
+        )
+    model = build_model(train_cfg.model, train_cfg.data)
+    if cfg.ema and "model_ema" not in ckpt:
+        raise ConfigError(f"ema=true but checkpoint={cfg.checkpoint} holds no EMA weights.")
+    weights = ckpt["model_ema"]["model"] if cfg.ema else ckpt["model"]
+    load_model_state(model, weights, f"checkpoint={cfg.checkpoint}", "Give a train.py checkpoint.")
+    return model.to(device).eval(), from_spec(spec), train_cfg.data.block_size
+
+
+def encode_prompt(tokenizer: Tokenizer, prompt: str) -> list[int]:
+    try:
+        ids = tokenizer.encode(prompt).tolist()
+    except ValueError as e:
+        raise ConfigError(
+            f"prompt={prompt!r} has {e} ({tokenizer.kind} tokenizer of the checkpoint); use "
+            "characters of the training text."
+        ) from None
+    if not ids:
+        raise ConfigError("prompt is empty: give at least one character, e.g. prompt='\\n'.")
+    return ids
+
+
+@torch.no_grad()
+def sample(
+    model: nn.Module,
+    ids: list[int],
+    cfg: GenerateConfig,
+    block_size: int,
+    vocab: int,
+    device: torch.device,
+) -> list[list[int]]:
+    """``num_samples`` continuations of ``ids``, ``max_new_tokens`` each."""
+    g = torch.Generator(device=device).manual_seed(cfg.seed)
+    x = torch.tensor(ids, dtype=torch.long, device=device).repeat(cfg.num_samples, 1)
+    with eval_mode(model):
+        for _ in range(cfg.max_new_tokens):
+            logits = model(x[:, -block_size:])[:, -1, :].float()
+            logits[:, vocab:] = -torch.inf  # ids of a padded vocabulary stand for no text
+            if cfg.temperature == 0:
+                nxt = logits.argmax(-1, keepdim=True)
+            else:
+                logits = logits / cfg.temperature
+                if cfg.top_k is not None and cfg.top_k < logits.shape[-1]:
+                    kth = torch.topk(logits, cfg.top_k).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, -torch.inf)
+                nxt = torch.multinomial(logits.softmax(-1), 1, generator=g)
+            x = torch.cat([x, nxt], dim=1)
+    return x[:, len(ids) :].tolist()
+
+
+def run_generate(cfg: GenerateConfig) -> list[str]:
+    """Load, sample, print each sample (and write ``output``); returns the texts."""
+    want_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device=cuda but no CUDA device is visible; use device=cpu.")
+    device = torch.device("cuda" if want_cuda else "cpu")
+    model, tokenizer, block_size = load_generator(cfg, device)
+    ids = encode_prompt(tokenizer, cfg.prompt)
+    texts = [
+        cfg.prompt + tokenizer.decode(s)
+        for s in sample(model, ids, cfg, block_size, tokenizer.vocab_size, device)
+    ]
+    for i, text in enumerate(texts):
+        print(f"--- sample {i} (seed {cfg.seed}) ---\n{text}", flush=True)
+    if cfg.output:
+        record: dict[str, Any] = {
+            "checkpoint": cfg.checkpoint,
+            "prompt": cfg.prompt,
+            "seed": cfg.seed,
+            "samples": texts,
+        }
+        atomic_write_text(Path(cfg.output), json.dumps(record, indent=2))
+    return texts

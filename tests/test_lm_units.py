@@ -1,0 +1,272 @@
+"""Language models in one process: tokenizers, prepare_text, token windows, the GPT, the task,
+the optimiser's decay groups, the recipes' configs and the data mistakes."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from conftest import compose_config, run_forked
+from lm_data import write_token_folder
+
+from ddp_utils.config import ConfigError, PyStdlibData, TokenData
+from ddp_utils.data import pystdlib
+from ddp_utils.data.samplers import IGNORE_LABEL, EvalShardSampler, ResumableDistributedSampler
+from ddp_utils.data.tokenizer import ByteTokenizer, CharTokenizer, from_spec, train_bpe
+from ddp_utils.data.tokens import (
+    WindowLoader,
+    eval_windows,
+    read_meta,
+    resolve_tokens,
+    train_windows,
+)
+from ddp_utils.dist import Runtime
+from ddp_utils.models import build_model
+from ddp_utils.models.gpt import GPT
+from ddp_utils.optim import param_groups
+from ddp_utils.prepare_text import main as prepare_text
+from ddp_utils.tasks import build_task, check_task
+from ddp_utils.tasks.base import Batch
+from ddp_utils.tasks.language_model import BitsPerByte, LanguageModel
+
+RT = Runtime(0, 0, 1, 1, torch.device("cpu"), "gloo")
+
+
+def tokens_cfg(root, **kw) -> TokenData:
+    return resolve_tokens(TokenData(root=str(root), **kw), RT)
+
+
+def test_tokenizers_round_trip_and_a_char_vocabulary_names_what_it_lacks():
+    char = CharTokenizer("hello world")
+    assert char.decode(char.encode("low")) == "low" and char.vocab_size == 8
+    with pytest.raises(ValueError, match="'z'"):
+        char.encode("lazy")
+    text = "naïve — ok"
+    assert ByteTokenizer().decode(ByteTokenizer().encode(text)) == text
+    bpe = train_bpe(["def f(x):\n    return x\n"] * 50, vocab_size=300)
+    again = from_spec(bpe.spec())
+    assert again.decode(again.encode("def f(x):")) == "def f(x):"
+    assert sum(bpe.token_bytes()[i] for i in bpe.encode("return x")) == len("return x")
+
+
+def test_prepare_text_splits_off_the_last_tenth_and_refuses_empty_or_binary_input(
+    tmp_path, capsys
+):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "b.txt").write_text("b" * 49 + "\n")
+    (src / "a.txt").write_text("a" * 49)  # no final newline: one is added
+    assert prepare_text([str(tmp_path / "out"), str(src)]) == 0
+    meta = json.loads((tmp_path / "out" / "meta.json").read_text())
+    train = np.fromfile(tmp_path / "out" / "train.bin", dtype=np.uint16)
+    val = np.fromfile(tmp_path / "out" / "val.bin", dtype=np.uint16)
+    assert (len(train), len(val)) == (90, 10) and meta["vocab_size"] == 3  # \n a b
+    assert CharTokenizer(meta["tokenizer"]["chars"]).decode(val) == "b" * 9 + "\n"
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "blob.bin").write_bytes(b"\x00\x01\x02")
+    for bad, said in (("empty.txt", "the sources are empty"), ("blob.bin", "is binary")):
+        assert prepare_text([str(tmp_path / f"out_{bad}"), str(tmp_path / bad)]) == 2
+        printed = capsys.readouterr().err.splitlines()
+        assert len(printed) == 1 and printed[0].startswith("error: ") and said in printed[0]
+    assert not (tmp_path / "out_blob.bin" / "meta.json").exists()
+
+
+def test_prepare_text_bpe_writes_its_tokenizer_beside_the_data(tmp_path):
+    (tmp_path / "t.txt").write_text("the quick brown fox jumps over the lazy dog\n" * 200)
+    assert prepare_text([str(tmp_path / "o"), str(tmp_path / "t.txt"), "--tokenizer=bpe",
+                         "--vocab_size=300"]) == 0  # fmt: skip
+    cfg = tokens_cfg(tmp_path / "o")
+    meta = read_meta(cfg)
+    assert (tmp_path / "o" / "tokenizer.json").is_file() and meta.tokenizer["kind"] == "bpe"
+    assert cfg.vocab_size == cfg.num_classes == from_spec(meta.tokenizer).vocab_size
+
+
+def test_an_epoch_covers_the_tokens_once_and_every_offset_comes_in_block_size_epochs(tmp_path):
+    cfg = tokens_cfg(write_token_folder(tmp_path, 1000, 200), block_size=8)
+    windows = train_windows(cfg, seed=3)
+    assert len(windows) == (1000 - 8) // 8
+    offsets = [windows.offset(e) for e in range(8)]
+    assert sorted(offsets) == list(range(8))
+    sampler = ResumableDistributedSampler(len(windows), 2, 1, seed=3)
+    loader = WindowLoader(windows, sampler, 5, torch.device("cpu"))
+    sampler.set_epoch(2)
+    tokens = np.fromfile(tmp_path / "train.bin", dtype=np.uint16).astype(np.int64)
+    order = list(sampler)
+    rows = [tokens[offsets[2] + 8 * (i if i >= 0 else ~i) :][:9] for i in order]
+    batches = list(loader)
+    assert len(batches) == len(loader) == math.ceil(len(order) / 5)
+    x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+    assert torch.equal(x, torch.from_numpy(np.stack(rows)[:, :8]))
+    real = torch.tensor(order) >= 0
+    assert torch.equal(y[real], torch.from_numpy(np.stack(rows)[:, 1:])[real])
+    assert (y[~real] == IGNORE_LABEL).all()
+    # Both ranks together: every window once, the padding ignored.
+    seen = Counter()
+    for rank in (0, 1):
+        s = ResumableDistributedSampler(len(windows), 2, rank, seed=3)
+        s.set_epoch(2)
+        seen.update(i for i in s if i >= 0)
+    assert seen == Counter(range(len(windows)))
+
+
+def test_validation_windows_are_non_overlapping_and_split_exactly_over_ranks(tmp_path):
+    cfg = tokens_cfg(write_token_folder(tmp_path, 500, 16 * 7 + 1), block_size=16)
+    val = eval_windows(cfg, "val")
+    assert len(val) == 7 and list(val.starts(np.arange(7), epoch=5)) == list(range(0, 112, 16))
+    for ws in (1, 2, 3):
+        shards = [list(EvalShardSampler(len(val), ws, r)) for r in range(ws)]
+        assert sorted(sum(shards, [])) == list(range(7))
+
+
+@pytest.mark.parametrize("case", ["no_meta", "dtype", "bad_id", "block", "too_small_vocab"])
+def test_data_mistakes_name_the_file_and_the_fix(tmp_path, case):
+    root = write_token_folder(tmp_path / "d", 400, 40, meta=case not in ("no_meta",))
+    kw = {}
+    if case == "no_meta":
+        (root / "meta.pkl").write_bytes(b"never read")
+        match = "meta.pkl is never unpickled"
+    elif case == "dtype":
+        (root / "meta.json").write_text(json.dumps({"vocab_size": 30, "dtype": "float32"}))
+        match = "dtype 'float32'"
+    elif case == "bad_id":
+        ids = np.fromfile(root / "train.bin", dtype=np.uint16)
+        ids[123] = 999
+        ids.tofile(root / "train.bin")
+        match = "token id 999 at position 123"
+    elif case == "block":
+        kw, match = {"block_size": 64}, "data.block_size=64 is larger than the val file"
+    else:
+        kw, match = {"vocab_size": 5}, "data.vocab_size=5 is smaller"
+    with pytest.raises(ConfigError, match=match):
+        cfg = resolve_tokens(TokenData(root=str(root), **kw), RT)
+        train_windows(cfg, 0), eval_windows(cfg, "val")
+    if case == "no_meta":  # with the vocabulary given, a nanoGPT folder works
+        assert resolve_tokens(TokenData(root=str(root), vocab_size=30), RT).num_classes == 30
+
+
+def test_an_id_past_the_sampled_part_is_named_when_its_window_is_read(tmp_path):
+    root = write_token_folder(tmp_path, 4000, 100)
+    ids = np.fromfile(root / "train.bin", dtype=np.uint16)
+    ids[3001] = 77
+    ids.tofile(root / "train.bin")
+    cfg = resolve_tokens(TokenData(root=str(root), block_size=10, check_tokens=100), RT)
+    windows = train_windows(cfg, 0)  # the sample missed it
+    loader = WindowLoader(windows, range(len(windows)), 50, torch.device("cpu"))
+    with pytest.raises(ConfigError, match="token id 77 at position 3001"):
+        list(loader)
+
+
+def test_bad_data_is_one_paragraph_and_exit_2_from_train_py(tmp_path):
+    root = write_token_folder(tmp_path / "d", 400, 40)
+    (root / "meta.json").write_text(json.dumps({"vocab_size": 30, "dtype": "int8"}))
+    proc = run_forked("train.py", "experiment=lm_char", "data=tokens", f"data.root={root}",
+                      f"run_dir={tmp_path}/run")  # fmt: skip
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.count("error: ") == 1 and "dtype 'int8'" in proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_gpt_is_causal_tied_and_initialised_as_gpt2():
+    torch.manual_seed(0)
+    model = GPT(vocab_size=50, block_size=16, n_layer=3, n_head=2, n_embd=32).eval()
+    x = torch.randint(50, (2, 16))
+    y = x.clone()
+    y[:, 10:] = (y[:, 10:] + 1) % 50
+    assert model(x).shape == (2, 16, 50)
+    assert torch.allclose(model(x)[:, :10], model(y)[:, :10], atol=1e-6)  # no peeking ahead
+    assert model.lm_head.weight is model.wte.weight
+    std = model.blocks[0].attn.proj.weight.std().item()
+    assert abs(std - 0.02 / math.sqrt(6)) < 0.002 and abs(model.wte.weight.std() - 0.02) < 0.002
+    with pytest.raises(ConfigError, match="model.n_embd=100 is not divisible by model.n_head=3"):
+        compose_config("experiment=lm_char", "model.n_embd=100", "model.n_head=3")
+
+
+def test_adamw_decays_2d_weights_only():
+    cfg = compose_config("experiment=lm_char")
+    model = GPT(vocab_size=20, block_size=8, n_layer=1, n_head=2, n_embd=8, bias=True)
+    groups = {g["weight_decay"]: g["params"] for g in param_groups(cfg.optim, model)}
+    assert set(groups) == {0.1, 0.0}
+    assert all(p.ndim >= 2 for p in groups[0.1]) and all(p.ndim == 1 for p in groups[0.0])
+    n = sum(p.numel() for ps in groups.values() for p in ps)
+    assert n == sum(p.numel() for p in model.parameters())  # the tied matrix once
+
+
+def test_the_task_sums_over_real_tokens_and_bits_per_byte_counts_bytes():
+    task = LanguageModel(vocab_size=4, block_size=3, token_bytes=[1, 1, 2, 3])
+    logits = torch.zeros(2, 3, 4)  # uniform: ln 4 nats per token
+    target = torch.tensor([[0, 2, 3], [IGNORE_LABEL] * 3])
+
+    def model(x):
+        return logits
+
+    loss, count = task.train_loss(model, Batch(torch.zeros(2, 3, dtype=torch.long), target))
+    assert count == 3 and torch.isclose(loss, torch.tensor(3 * math.log(4)))
+    bpb = BitsPerByte([1, 1, 2, 3], 4)
+    bpb.update(logits, target)
+    assert torch.isclose(bpb.compute(), torch.tensor(3 * 2 / 6, dtype=torch.float64))
+
+
+def test_lm_char_recipe_and_gpt2_124m_compose_with_their_shapes():
+    c = compose_config("experiment=lm_char")
+    assert (c.model.n_layer, c.model.n_head, c.model.n_embd, c.model.dropout) == (4, 4, 128, 0.0)
+    assert (c.data.name, c.data.block_size, c.data.batch_size) == ("pystdlib", 64, 12)
+    assert (c.trainer.max_steps, c.optim.lr, c.sched.min_lr, c.optim.betas[1]) == (
+        2000, 1e-3, 1e-4, 0.99)  # fmt: skip
+    assert (c.sched.warmup_steps, c.trainer.grad_clip, c.task.monitor) == (100, 1.0, "loss")
+    g = compose_config("experiment=gpt2_124m")
+    assert (g.model.n_layer, g.model.n_head, g.model.n_embd, g.data.block_size) == (
+        12, 12, 768, 1024)  # fmt: skip
+    tokens_per_step = g.data.batch_size * 8 * g.trainer.grad_accum_steps * g.data.block_size
+    assert tokens_per_step == 491_520  # ~0.5M tokens on 8 processes
+    model = build_model(g.model, TokenData(block_size=1024, num_classes=50304))
+    assert 123e6 < sum(p.numel() for p in model.parameters()) < 125e6
+
+
+def test_custom_and_hf_models_take_ids_to_logits_and_pass_the_check(tmp_path):
+    root = write_token_folder(tmp_path, 400, 40)
+    overrides = {"custom": ("model=custom", "model._target_=custom_models.BigramLM"),
+                 "hf": ("model=hf", "+model.overrides={n_layer: 1, n_head: 2, n_embd: 16}")}
+    pytest.importorskip("transformers")
+    for option, extra in overrides.items():
+        cfg = compose_config("experiment=lm_char", "data=tokens", f"data.root={root}",
+                             "data.block_size=8", *extra)  # fmt: skip
+        import dataclasses
+
+        cfg = dataclasses.replace(cfg, data=resolve_tokens(cfg.data, RT))
+        task = build_task(cfg)
+        model = build_model(cfg.model, cfg.data)
+        from ddp_utils.metrics import build_metrics
+
+        check_task(task, model, build_metrics(cfg.task, task, RT.device), cfg, RT.device)
+        assert model(torch.zeros(2, 8, dtype=torch.long)).shape == (2, 8, 30), option
+
+
+def test_pystdlib_lists_sorted_sources_without_tests_and_prepares_once(tmp_path, monkeypatch):
+    stdlib, files = pystdlib.stdlib_files()
+    rel = [p.relative_to(stdlib).as_posix() for p in files]
+    assert rel == sorted(rel) and "os.py" in rel and not any("/test/" in f"/{r}" for r in rel)
+    monkeypatch.setattr(pystdlib, "stdlib_files", lambda: (stdlib, files[:5]))
+    cfg = PyStdlibData(root=str(tmp_path / "c"))
+    pystdlib.prepare_pystdlib(cfg)
+    first = (tmp_path / "c" / "train.bin").stat().st_mtime_ns
+    resolved = resolve_tokens(cfg, RT)  # prepared already: reused
+    assert (tmp_path / "c" / "train.bin").stat().st_mtime_ns == first
+    assert resolved.num_classes == json.loads((tmp_path / "c" / "meta.json").read_text())[
+        "vocab_size"]  # fmt: skip
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    with pytest.raises(ConfigError, match="nothing there was changed"):
+        pystdlib.prepare_pystdlib(PyStdlibData(root=str(tmp_path / "mine")))
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+
+
+def test_pairing_mistakes_name_the_recipe():
+    with pytest.raises(ConfigError, match="holds token ids.*experiment=lm_char"):
+        compose_config("data=pystdlib")
+    with pytest.raises(ConfigError, match="task=language_model needs token data"):
+        compose_config("task=language_model")
+
