@@ -7,7 +7,7 @@ NPROC  ?= 2
 ARGS   ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install train test lint format clean bench bench-gpu bench-data bench-seg bench-peer bench-profile recipes
+.PHONY: help install train test lint format clean bench bench-gpu bench-data bench-seg bench-peer bench-profile bench-lm recipes
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -45,6 +45,9 @@ bench-peer: $(STAMP)  ## whole runs: train.py vs a references-style loop, 3 pair
 bench-profile: $(STAMP)  ## one run of each side under torch.profiler and py-spy (bench/results/profile)
 	test -x $(BIN)/py-spy || $(BIN)/python -m pip install -q -e '.[bench]'
 	$(BIN)/python bench/peer.py --profile=50 $(ARGS)
+
+bench-lm: $(STAMP)  ## language model: tokens/s of experiment=lm_char vs a plain DDP loop (~5 min)
+	$(BIN)/python bench/bench_lm.py $(ARGS)
 
 recipes: $(STAMP)  ## the recipes' accuracy over 3 held-out slices x 3 seeds x 3 lrs (~30 min)
 	$(BIN)/python bench/recipes.py

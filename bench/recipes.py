@@ -4,7 +4,9 @@ Each recipe trains at world size 2 on 3 disjoint held-out validation slices
 (``data.val_slice=0,1,2``: the rest of the images are the training set) with 3 seeds, at the
 default learning rate and at half and twice it, one torchrun sweep per (recipe, lr), and the
 table gives min / mean / max of the final ``val/accuracy`` (``val/miou`` for the segmentation
-recipe, at its own learning rate only, with ``--seg-seeds`` seeds: each run is minutes).
+recipe, at its own learning rate only, with ``--seg-seeds`` seeds: each run is minutes;
+``val/loss`` of the language model on the last tenth of the stdlib corpus, over
+``--lm-seeds`` seeds at its own learning rate).
 ``--only TEXT`` runs the recipes whose name holds TEXT. MNIST rows need the images of
 ../shared/data/mnist10k (8,000 + 2,000 pooled into 10,000; slices of 2,000). Writes
 bench/results/recipes.json and prints a Markdown table.
@@ -33,12 +35,19 @@ RECIPES = {
     "MNIST tutorial (experiment=mnist_convnet, 2 epochs)": [
         "experiment=mnist_convnet", f"data.root={MNIST}",
     ],
+    "char GPT on the Python stdlib (experiment=lm_char data=pystdlib, 2000 steps)": [
+        "experiment=lm_char", "data=pystdlib",
+    ],
 }  # fmt: skip
+LM_LR = 0.001  # experiment=lm_char's
 
 
-def sweep(overrides: list[str], folder: Path, metric: str, seeds: str = "0,1,2") -> list[float]:
+def sweep(overrides: list[str], folder: Path, metric: str, seeds: str = "0,1,2",
+          slices: bool = True) -> list[float]:  # fmt: skip
+    """One torchrun sweep over seeds (and the held-out slices 0, 1, 2)."""
+    held_out = ["data.val_slice=0,1,2"] if slices else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "train.py"), "-m", *overrides, "data.val_slice=0,1,2", f"seed={seeds}",
+           str(ROOT / "train.py"), "-m", *overrides, *held_out, f"seed={seeds}",
            "logger=none", f"hydra.sweep.dir={folder}"]  # fmt: skip
     subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT)
     rows = list(csv.DictReader((folder / "summary.csv").open()))
@@ -52,6 +61,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "recipes.json")
     parser.add_argument("--only", default="", help="run the recipes whose name holds this")
     parser.add_argument("--seg-seeds", default="0,1,2", help="the segmentation recipe's seeds")
+    parser.add_argument("--lm-seeds", default="0,1,2", help="the language model's seeds")
     args = parser.parse_args()
     have_mnist = (MNIST / "MNIST" / "raw" / "train-images-idx3-ubyte").is_file()
     results = []
@@ -62,11 +72,16 @@ def main() -> None:
             if "MNIST" in name and not have_mnist:
                 print(f"skipping {name}: no MNIST images at {MNIST}")
                 continue
-            seg = "segmentation" in name
+            seg, lm = "segmentation" in name, "lm_char" in name
             metric, seeds = ("val/miou", args.seg_seeds) if seg else ("val/accuracy", "0,1,2")
-            for lr in [SEG_LR] if seg else [DEFAULT_LR * f for f in args.lr_factors]:
+            lrs = [DEFAULT_LR * f for f in args.lr_factors]
+            if seg or lm:
+                lrs = [SEG_LR if seg else LM_LR]
+            if lm:  # the last tenth of the text validates; the range is over seeds
+                metric, seeds = "val/loss", args.lm_seeds
+            for lr in lrs:
                 folder = Path(tmp) / f"{len(results)}"
-                acc = sweep([*overrides, f"optim.lr={lr:g}"], folder, metric, seeds)
+                acc = sweep([*overrides, f"optim.lr={lr:g}"], folder, metric, seeds, slices=not lm)
                 results.append({"recipe": name, "lr": lr, "metric": metric, "accuracies": acc})
                 print(f"{name}, lr {lr:g}: min {min(acc):.4f} max {max(acc):.4f}", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -75,8 +90,10 @@ def main() -> None:
           "| --- | --- | --- | --- | --- | --- | --- |")  # fmt: skip
     for r in results:
         a = r["accuracies"]
-        print(f"| {r['recipe']} | {r['lr']:g} | {r['metric']} | {100 * min(a):.2f}% | "
-              f"{100 * sum(a) / len(a):.2f}% | {100 * max(a):.2f}% | {len(a)} |")  # fmt: skip
+        loss = r["metric"] == "val/loss"
+        show = (lambda v: f"{v:.4f}") if loss else (lambda v: f"{100 * v:.2f}%")  # noqa: B023
+        print(f"| {r['recipe']} | {r['lr']:g} | {r['metric']} | {show(min(a))} | "
+              f"{show(sum(a) / len(a))} | {show(max(a))} | {len(a)} |")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ class RunLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = _read(fd)
+            holder = _read_holder(fd)
             os.close(fd)
             if holder.get("job") == me["job"]:
                 return cls(path, None)  # this job's earlier process, still being torn down
@@ -80,6 +80,15 @@ def _read(fd: int) -> dict[str, Any]:
     with contextlib.suppress(OSError, ValueError):
         return json.loads(os.pread(fd, 4096, 0).decode() or "{}")
     return {}
+
+
+def _read_holder(fd: int, wait_s: float = 2.0) -> dict[str, Any]:
+    # The holder writes its note just after it locks: a read in between finds the file empty
+    # (or half written), so wait a moment for the note before naming an unknown holder.
+    deadline = time.monotonic() + wait_s
+    while not (holder := _read(fd)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return holder
 
 
 def busy_message(run_dir: Path, holder: dict[str, Any]) -> str:

@@ -21,10 +21,12 @@ class Progress:
     fragments.
     """
 
-    def __init__(self, mode: str, is_main: bool, total_steps: int, samples_per_step: int):
+    def __init__(self, mode: str, is_main: bool, total_steps: int, samples_per_step: int,
+                 unit: str = "img") -> None:  # fmt: skip
         show_bar = mode == "true" or (mode == "auto" and sys.stderr.isatty())
         self.bar_enabled = is_main and show_bar
         self.total_steps, self.samples_per_step = total_steps, samples_per_step
+        self.unit = unit  # what samples_per_step counts: img, or tok for token data
         self.bar: tqdm | None = None
         self.start, self.start_step = time.perf_counter(), 0
 
@@ -35,7 +37,7 @@ class Progress:
                             dynamic_ncols=True, leave=True, file=sys.stderr)  # fmt: skip
 
     def rate(self, step: int) -> tuple[float, float]:
-        """(images/s, seconds left in the run) from the steps of this epoch so far."""
+        """(samples/s, seconds left in the run) from the steps of this epoch so far."""
         done = max(step - self.start_step, 1)
         per_step = (time.perf_counter() - self.start) / done
         return self.samples_per_step / per_step, per_step * max(self.total_steps - step, 0)
@@ -49,10 +51,12 @@ class Progress:
         images_s, left = self.rate(step)
         eta = str(datetime.timedelta(seconds=round(left)))
         if self.bar is not None:
-            self.bar.set_postfix(loss=f"{loss:.4f}", img_s=f"{images_s:.0f}", left=eta)
+            rate = {f"{self.unit}_s": f"{images_s:.0f}"}
+            self.bar.set_postfix(loss=f"{loss:.4f}", **rate, left=eta)
         else:
-            log.info("epoch %d | step %d/%d | loss %.4f | lr %.4g | %.0f img/s | %s left",
-                     self.epoch, step, self.total_steps, loss, lr, images_s, eta)  # fmt: skip
+            log.info("epoch %d | step %d/%d | loss %.4f | lr %.4g | %.0f %s/s | %s left",
+                     self.epoch, step, self.total_steps, loss, lr, images_s, self.unit,
+                     eta)  # fmt: skip
 
     def end_epoch(self) -> None:
         if self.bar is not None:

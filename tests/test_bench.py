@@ -80,3 +80,14 @@ def test_bench_seg_sides_make_the_same_batches_of_the_same_folder(tmp_path):
         assert a.shape == (3, 3, 16, 16) and a.dtype == torch.float32
         assert b.shape == (3, 16, 16) and b.dtype == torch.int64
         assert set(b.unique().tolist()) <= {0, 1, 2, 3, pad}
+
+
+def test_bench_lm_baseline_loop_runs(tmp_path):
+    """make bench-lm's plain DDP loop, on a small token folder at world size 2."""
+    from lm_data import CHARS, write_token_folder
+
+    root = write_token_folder(tmp_path / "tok", 20_000, 2_000)
+    proc = run_script("bench/lm_loop.py", f"--root={root}", f"--vocab={len(CHARS)}",
+                      "--steps=6", "--warmup=2", nproc=2)  # fmt: skip
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("BENCH "))
+    assert json.loads(line[len("BENCH ") :])["tokens_per_s"] > 0

@@ -116,7 +116,7 @@ def test_under_torchrun_a_mistake_and_cfg_print_once(tmp_path):
     proc = run_script("train.py", "--cfg", "job", nproc=2)
     assert proc.stdout.count("optim:") == 1
     proc = run_forked("train.py", "--help")
-    assert "model: convnet, custom, mlp" in proc.stdout and "schema" not in proc.stdout
+    assert "model: convnet, custom, gpt, hf, mlp" in proc.stdout and "schema" not in proc.stdout
     assert options_help() in proc.stdout  # each option's own keys
     assert "optim.lr=0.1" in proc.stdout and "--cfg job" in proc.stdout
 

@@ -53,9 +53,7 @@ def test_tokenizers_round_trip_and_a_char_vocabulary_names_what_it_lacks():
     assert sum(bpe.token_bytes()[i] for i in bpe.encode("return x")) == len("return x")
 
 
-def test_prepare_text_splits_off_the_last_tenth_and_refuses_empty_or_binary_input(
-    tmp_path, capsys
-):
+def test_prepare_text_splits_off_the_last_tenth_and_refuses_empty_or_binary_input(tmp_path, capsys):
     src = tmp_path / "src"
     src.mkdir()
     (src / "b.txt").write_text("b" * 49 + "\n")
@@ -228,8 +226,10 @@ def test_lm_char_recipe_and_gpt2_124m_compose_with_their_shapes():
 
 def test_custom_and_hf_models_take_ids_to_logits_and_pass_the_check(tmp_path):
     root = write_token_folder(tmp_path, 400, 40)
-    overrides = {"custom": ("model=custom", "model._target_=custom_models.BigramLM"),
-                 "hf": ("model=hf", "+model.overrides={n_layer: 1, n_head: 2, n_embd: 16}")}
+    overrides = {
+        "custom": ("model=custom", "model._target_=custom_models.BigramLM"),
+        "hf": ("model=hf", "+model.overrides={n_layer: 1, n_head: 2, n_embd: 16}"),
+    }
     pytest.importorskip("transformers")
     for option, extra in overrides.items():
         cfg = compose_config("experiment=lm_char", "data=tokens", f"data.root={root}",
@@ -269,4 +269,3 @@ def test_pairing_mistakes_name_the_recipe():
         compose_config("data=pystdlib")
     with pytest.raises(ConfigError, match="task=language_model needs token data"):
         compose_config("task=language_model")
-

@@ -168,7 +168,13 @@ def build_training(cfg: TrainConfig, rt: Runtime, run_dir: Path) -> Training:
         total_steps=total_steps,
         stop=StopRequest(timedelta(seconds=t.timeout_s)),
         watchdog=StepWatchdog(t.timeout_s, rt.rank),
-        progress=Progress(t.progress, rt.is_main, total_steps, global_batch(cfg, rt)),
+        progress=Progress(
+            t.progress,
+            rt.is_main,
+            total_steps,
+            global_batch(cfg, rt) * (data.tokens_per_sample or 1),
+            unit="img" if data.tokens_per_sample is None else "tok",
+        ),  # fmt: skip
         tracker=Tracker(cfg.logger, run_dir, rt),
         callbacks=build_callbacks(cfg.callbacks),
         metrics=metrics,
