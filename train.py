@@ -9,6 +9,8 @@ Semantic segmentation (the embedded recipe; or data=segfolder data.root=DIR, dat
 A sweep, every job on all ranks (or each job as its own torchrun job):
     torchrun --standalone --nproc_per_node=2 train.py -m optim.lr=0.1,0.01
     python train.py -m hydra/launcher=torchrun hydra.launcher.nproc_per_node=2 optim.lr=0.1,0.01
+An Optuna search (hydra/sweeper=optuna), every rank on rank 0's trial:
+    torchrun --standalone --nproc_per_node=2 train.py -m +hparams_search=digits_optuna
 Many nodes (run on each):
     torchrun --nnodes=4 --nproc_per_node=8 --rdzv-backend=c10d \
         --rdzv-endpoint=HOST:PORT --rdzv-id=JOB train.py
@@ -35,10 +37,11 @@ def main(cfg: DictConfig) -> float:
             train_cfg = to_schema(cfg)
             # Imported only now: --help, --cfg and config mistakes answer without loading the
             # models, data and metrics libraries (seconds less for every such launch).
+            from ddp_utils.sweep.pruning import sweep_callbacks
             from ddp_utils.train.loop import fit
 
             rt = init_distributed(train_cfg.trainer)
-            return fit(train_cfg, rt, default_run_dir=sweep_job_dir())
+            return fit(train_cfg, rt, sweep_job_dir(), sweep_callbacks())
         finally:
             if not in_sweep():  # a sweep's jobs share the process group
                 shutdown()

@@ -192,6 +192,8 @@ def report_failed_sweep(error: Exception) -> NoReturn:
         os.remove(os.environ["TORCHELASTIC_ERROR_FILE"])
     failed, total = print_summary(sweep_dir)
     code = getattr(error, "exit_code", USER_ERROR_EXIT) if isinstance(error, ConfigError) else 1
+    if isinstance(error, ConfigError) and not failed:  # the sweep's own: before or after jobs
+        report(str(error), code)
     report(f"{failed} of {total} sweep jobs failed; see {sweep_dir / 'summary.csv'}", code)
 
 

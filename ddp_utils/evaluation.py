@@ -120,7 +120,28 @@ def run_eval(cfg: DictConfig, implied: Sequence[str] = ()) -> dict[str, Any]:
     output = Path(cfg.output) if cfg.output else default_output(checkpoint)
     write_report(result, output, f"{data.name}/{data.split}", rt)
     draw_predictions(task, model, loader.dataset, preprocess, rt, classes, output.parent)
+    if rt.is_main:
+        report_to_tracker(ckpt, train_cfg, checkpoint, output, result)
     return result
+
+
+def report_to_tracker(ckpt: dict[str, Any], train_cfg: TrainConfig, checkpoint: Path,
+                      output: Path, result: dict[str, Any]) -> None:  # fmt: skip
+    """A checkpoint of a run logged to MLflow: its run gets the evaluation too (a failure
+    only warns: eval.json is written)."""
+    run_id = ((ckpt.get("trackers") or {}).get("mlflow") or {}).get("run_id")
+    if not run_id or "mlflow" not in train_cfg.logger:
+        return
+    from ddp_utils.tracking.mlflow_tracker import log_evaluation
+
+    files = [p for p in (output, output.parent / "confusion_matrix.png") if p.is_file()]
+    numbers = {k: float(v) for k, v in scalars(result).items()}
+    try:
+        log_evaluation(dataclasses.asdict(train_cfg.logger_cfg.mlflow), run_id,
+                       checkpoint.resolve().parent.parent, files, numbers)  # fmt: skip
+    except Exception as e:
+        log.warning("eval.json not logged to MLflow run %s (%s: %s)", run_id,
+                    type(e).__name__, e)  # fmt: skip
 
 
 def model_weights(ckpt: dict[str, Any], checkpoint: Path, ema: bool) -> dict[str, Any]:

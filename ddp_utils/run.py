@@ -214,6 +214,13 @@ def append_metrics(run_dir: Path, record: dict[str, Any], rt: Runtime) -> None:
     write_on_main(run_dir, rt, append)
 
 
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """metrics.jsonl's records; none when the file is missing."""
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [json.loads(line) for line in lines if line.strip()]
+
+
 def seconds_since_process_start() -> float | None:
     """Wall time since this process started (Linux), for the launch-to-first-step figure."""
     try:

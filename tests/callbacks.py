@@ -12,6 +12,7 @@ import signal
 import time
 from pathlib import Path
 
+from ddp_utils.tracking import Tracker
 from ddp_utils.train.callbacks import Callback
 
 
@@ -88,3 +89,40 @@ def both(kind: str, step: int, rank: int, folder: Path) -> str:
         f"callbacks=[{{_target_:tests.callbacks.Fault,kind:{kind},step:{step},rank:{rank}}},"
         f"{{_target_:tests.callbacks.SampleRecorder,folder:'{folder}'}}]"
     )
+
+
+class TrialRecorder(Callback):
+    """Each rank writes ``<run_dir>/rank<R>.json``: the parameters it trains a trial with."""
+
+    def on_train_start(self, tr) -> None:
+        c = tr.cfg
+        seen = {"optim.lr": c.optim.lr, "optim.weight_decay": c.optim.weight_decay,
+                "data.batch_size": c.data.batch_size}  # fmt: skip
+        (tr.run_dir / f"rank{tr.rt.rank}.json").write_text(json.dumps(seen))
+
+
+class KillInJob(Callback):
+    """SIGKILL this process at ``step`` of sweep job ``job`` (a sweep killed mid-trial)."""
+
+    def __init__(self, job: int, step: int) -> None:
+        self.job, self.step = job, step
+
+    def on_step_end(self, tr) -> None:
+        from hydra.core.hydra_config import HydraConfig
+
+        if tr.step == self.step and HydraConfig.get().job.num == self.job:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class FlakyTracker(Tracker):
+    """``logger=[csv,callbacks.FlakyTracker]``: fails at its second record."""
+
+    name = "flaky"
+
+    def __init__(self) -> None:
+        self.records = 0
+
+    def log(self, values, step) -> None:
+        self.records += 1
+        if self.records == 2:
+            raise ConnectionError("the tracking server went away")

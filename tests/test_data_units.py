@@ -344,7 +344,7 @@ def test_the_end_of_training_stops_the_loaders_workers(folder):
     data = build_data(folder_cfg(folder, batch_size=16, num_workers=1), RT, seed=0)
     next(iter(data.train)), next(iter(data.val))
     workers = data.train._iterator._workers + data.val._iterator._workers
-    helpers = {name: mock.Mock() for name in ("stop", "watchdog", "progress", "tracker")}
+    helpers = {name: mock.Mock() for name in ("stop", "watchdog", "progress", "trackers")}
     Training.close(SimpleNamespace(data=data, **helpers), drain=False)
     assert not any(w.is_alive() for w in workers)
     helpers["stop"].close.assert_called_once_with(False)

@@ -4,6 +4,7 @@ examples, a time-limit warning that requeues and resumes, and the submitit launc
 from __future__ import annotations
 
 import csv
+import json
 import os
 import shutil
 import subprocess
@@ -188,3 +189,25 @@ def test_submitit_sweep_runs_each_job_on_the_cluster(slurm, tmp_path):
     # Each job ran as SLURM tasks: submitit's log of the job names both of them.
     logs = sorted(p.name for p in (sweep / ".submitit").glob("*/*_log.out"))
     assert len(logs) == 4, logs
+
+
+def test_optuna_sweep_runs_each_trial_as_a_slurm_job(slurm, tmp_path):
+    db = tmp_path / "optuna.db"
+    run_script(
+        "train.py", "-m", "+hparams_search=digits_optuna", "hydra/launcher=submitit_ddp",
+        "hydra.launcher.nodes=1", "hydra.launcher.tasks_per_node=2",
+        "hydra.launcher.gpus_per_node=0", "hydra.launcher.cpus_per_task=1",
+        "hydra.launcher.mem_gb=1", "hydra.sweeper.n_trials=2", "hydra.sweeper.n_jobs=2",
+        f"hydra.sweeper.storage=sqlite:///{db}", "trainer.epochs=1", "logger=none",
+        cwd=tmp_path, env=slurm, timeout=600,
+    )  # fmt: skip
+    (sweep,) = (tmp_path / "multirun").iterdir()
+    rows = list(csv.DictReader((sweep / "summary.csv").open()))
+    assert [(r["trial"], r["state"]) for r in rows] == [("0", "COMPLETE"), ("1", "COMPLETE")]
+    study = json.loads((sweep / "optuna_study.json").read_text())
+    assert study["best_trial"]["value"] == max(float(r["value"]) for r in rows)
+    for r in rows:  # each trial one SLURM job of 2 tasks, trained with its own parameters
+        records = read_metrics(sweep / r["trial"])
+        assert records[-1]["world_size"] == 2
+        assert f"optim.lr={study['trials'][int(r['trial'])]['params']['optim.lr']!r}" in (
+            r["overrides"])  # fmt: skip

@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from ddp_utils.config.data import DataConfig, DigitsData, TokenData
 from ddp_utils.config.errors import ConfigError, check_choice, check_fraction, check_positive
+from ddp_utils.config.logger import LoggerOptions, logger_names
 from ddp_utils.config.model import ConvNetModel, ModelConfig
 from ddp_utils.config.options import (
     ARGUMENTS,
@@ -35,7 +36,6 @@ SCHEDULERS = ("none", "cosine", "step", "onecycle", "poly")
 PRECISIONS = ("auto", "32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "nccl", "gloo")
-LOGGERS = ("tensorboard", "none")
 PROGRESS = ("auto", "true", "false")
 
 
@@ -108,7 +108,9 @@ class TrainConfig:
     seed: int = 0
     run_dir: str | None = None  # null = outputs/<date>_<torchrun run id>
     resume: str = "auto"  # auto | never | PATH of a checkpoint
-    logger: str = "tensorboard"  # tensorboard (run_dir/tb) | none
+    # Trackers: one name or a list of tensorboard | csv | mlflow | wandb | pkg.Class; none
+    logger: Any = field(default_factory=lambda: ["tensorboard"])
+    logger_cfg: LoggerOptions = field(default_factory=LoggerOptions)  # each tracker's options
     # Optional behaviour hung on the loop: a list of {_target_: pkg.Class, ARG: VALUE}
     callbacks: list[Any] = field(default_factory=list)
 
@@ -208,7 +210,7 @@ def check_run(cfg: TrainConfig) -> None:
     check_choice("trainer.precision", t.precision, PRECISIONS)
     check_choice("trainer.device", t.device, DEVICES)
     check_choice("trainer.backend", t.backend, BACKENDS)
-    check_choice("logger", cfg.logger, LOGGERS)
+    cfg.logger = logger_names(cfg.logger)
     t.progress = t.progress.lower()  # `trainer.progress=true` arrives as "True"
     check_choice("trainer.progress", t.progress, PROGRESS)
     for key, value in (

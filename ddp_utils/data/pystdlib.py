@@ -41,12 +41,16 @@ def default_root(cfg: PyStdlibData) -> Path:
     return cache / "ddp-recipes" / "pystdlib" / source_key(cfg)
 
 
+def pystdlib_root(cfg: PyStdlibData) -> Path:
+    """``data.root``, or the corpus' folder in the per-user data cache."""
+    return Path(cfg.root) if cfg.root is not None else default_root(cfg)
+
+
 def prepare_pystdlib(cfg: PyStdlibData) -> Path:
     """Write the corpus' token files unless the folder already holds this source's."""
     from ddp_utils.data.text import prepare
-    from ddp_utils.data.tokens import token_root
 
-    out = token_root(cfg)
+    out = pystdlib_root(cfg)
     meta = out / "meta.json"
     key = source_key(cfg)
     source = json.loads(meta.read_text()).get("source", "") if meta.is_file() else ""

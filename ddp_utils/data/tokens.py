@@ -49,9 +49,9 @@ def token_root(cfg: TokenData) -> Path:
     if cfg.root is not None:
         return Path(cfg.root)
     assert isinstance(cfg, PyStdlibData), "data=tokens has a root"
-    from ddp_utils.data.pystdlib import default_root
+    from ddp_utils.data.pystdlib import pystdlib_root
 
-    return default_root(cfg)
+    return pystdlib_root(cfg)
 
 
 def read_meta(cfg: TokenData) -> TokenMeta:

@@ -78,8 +78,9 @@ class CallbackList(Callback):
             cb.on_train_end(tr)
 
 
-def build_callbacks(specs: Sequence[Any]) -> CallbackList:
-    """Instantiate ``callbacks`` (a list of ``{_target_: ..., ARG: VALUE}``)."""
+def build_callbacks(specs: Sequence[Any], extra: Sequence[Callback] = ()) -> CallbackList:
+    """Instantiate ``callbacks`` (a list of ``{_target_: ..., ARG: VALUE}``); then ``extra``,
+    the ones the entry script adds (a sweep's pruning)."""
     built = []
     for spec in specs:
         target = spec.get("_target_") if isinstance(spec, dict) else None
@@ -99,4 +100,4 @@ def build_callbacks(specs: Sequence[Any]) -> CallbackList:
         if not isinstance(cb, Callback):
             raise ConfigError(f"callbacks: {target} is not a ddp_utils.train.callbacks.Callback.")
         built.append(cb)
-    return CallbackList(built)
+    return CallbackList([*built, *extra])

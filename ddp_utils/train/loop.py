@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import math
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from ddp_utils.run import (
     classes_text,
     config_text,
     log,
+    read_metrics,
     remove_if_unused,
     resolve_run_dir,
     seconds_since_process_start,
@@ -29,7 +31,8 @@ from ddp_utils.run import (
     write_run_files,
 )
 from ddp_utils.tasks import Batch, draw_predictions
-from ddp_utils.tracking import environment_text, peak_memory_mb
+from ddp_utils.tracking import TrackedRun, environment_text, peak_memory_mb
+from ddp_utils.train.callbacks import Callback
 from ddp_utils.train.finite import diverged
 from ddp_utils.train.resume import resume, save
 from ddp_utils.train.state import (
@@ -39,10 +42,6 @@ from ddp_utils.train.state import (
     global_batch,
     resolve_auto,
 )
-
-# The per-epoch values of metrics.jsonl that also go to TensorBoard, besides val/* and val_ema/*.
-TRACKED = ("train/loss", "lr", "samples_per_s", "tokens_per_s")
-VALIDATION = ("val/", "val_ema/")
 
 
 def optimizer_step(tr: Training) -> None:
@@ -110,7 +109,7 @@ def train_one_epoch(tr: Training) -> dict[str, float] | None:
             if due:
                 validate_and_save(tr, interval_stats(tr), epoch_done=end)
                 tr.model.train()
-            if reached_max_steps(tr):
+            if reached_max_steps(tr) or tr.stop_early is not None:
                 break
     tr.watchdog.disarm()
     tr.progress.end_epoch()
@@ -135,9 +134,12 @@ def step_mode(tr: Training) -> bool:
 
 
 def finished(tr: Training) -> bool:
-    """``trainer.max_steps`` steps (as many epochs as that takes), else ``trainer.epochs``."""
-    return reached_max_steps(tr) or (
-        tr.cfg.trainer.max_steps is None and tr.epoch >= tr.cfg.trainer.epochs
+    """``trainer.max_steps`` steps (as many epochs as that takes), else ``trainer.epochs``;
+    or a callback's ``stop_early`` (a pruned trial)."""
+    return (
+        tr.stop_early is not None
+        or reached_max_steps(tr)
+        or (tr.cfg.trainer.max_steps is None and tr.epoch >= tr.cfg.trainer.epochs)
     )
 
 
@@ -185,7 +187,7 @@ def after_step(tr: Training, checkpoint_follows: bool) -> None:
         if not math.isfinite(loss):
             tr.stop.diverged = True  # every rank stops at the next poll, without saving
         tr.progress.report(tr.step, loss, lr)
-        tr.tracker.scalars({"train/loss_running": loss, "lr": lr}, tr.step)
+        tr.trackers.log({"train/loss_running": loss, "lr": lr}, tr.step)
 
 
 def current_lr(tr: Training) -> float:
@@ -252,8 +254,6 @@ def validate_and_save(
     if tr.ema is not None:
         record |= validate(tr, tr.ema.module, "val_ema")
     append_metrics(tr.run_dir, record, tr.rt)
-    tracked = {k: v for k, v in record.items() if k in TRACKED or k.startswith(VALIDATION)}
-    tr.tracker.scalars(tracked | {"peak_memory_mb": peak_memory_mb(tr.rt.device)}, tr.step)
     log_epoch(tr, record)
     also, key, mode = [], tr.cfg.task.monitor, tr.cfg.task.monitor_mode
     if improved(record[f"val/{key}"], tr.best, mode):
@@ -266,18 +266,26 @@ def validate_and_save(
         tr.epoch, tr.sample_offset = tr.epoch + 1, 0
     tr.epoch_totals.zero_()
     save(tr, also=tuple(also))
+    # After the checkpoint: a step a tracker has is one a resume does not train again.
+    tr.trackers.log(record | {"peak_memory_mb": peak_memory_mb(tr.rt.device)}, tr.step)
     tr.callbacks.on_epoch_end(tr, record)
     tr.record = record
     tr.interval_start, tr.interval_samples = time.perf_counter(), tr.samples_seen
     return record
 
 
-def fit(cfg: TrainConfig, rt: Runtime, default_run_dir: str | None = None) -> float:
-    """Train for ``trainer.epochs`` (or ``trainer.max_steps``); return the last
+def fit(
+    cfg: TrainConfig,
+    rt: Runtime,
+    default_run_dir: str | None = None,
+    callbacks: Sequence[Callback] = (),
+) -> float:
+    """Train for ``trainer.epochs`` (or ``trainer.max_steps``); return the run's best
     ``val/<task.monitor>`` (a sweep's objective).
 
     Resumes from ``run_dir``'s newest checkpoint (``resume=auto``) or ``resume=PATH``.
-    ``default_run_dir`` (a sweep job's folder) applies when ``run_dir`` is null.
+    ``default_run_dir`` (a sweep job's folder) applies when ``run_dir`` is null; ``callbacks``
+    join ``cfg.callbacks`` (the entry script's: a sweep's pruning).
     """
     check_runtime(cfg.trainer, rt)
     cfg = resolve_auto(cfg, rt)
@@ -286,12 +294,18 @@ def fit(cfg: TrainConfig, rt: Runtime, default_run_dir: str | None = None) -> fl
     try:
         try:
             setup_logging(run.path, rt, "train")
-            tr = build_training(cfg, rt, run.path)
+            tr = build_training(cfg, rt, run.path, callbacks)
         except BaseException:
             remove_if_unused(run, rt)  # a failure before training leaves no empty run_dir
             raise
         try:
-            record = train_epochs(tr)
+            train_epochs(tr)
+            if rt.is_main and (run.path / "metrics.jsonl").exists():
+                draw_curves(run.path)
+                draw_predictions(tr.task, tr.raw_model, tr.data.val.dataset,
+                                 tr.data.preprocess_eval, rt, tr.data.classes,
+                                 run.path)  # fmt: skip
+            tr.trackers.finish(run_files(run.path))
         except BaseException:
             tr.close(drain=False)  # a rank may be gone: do not wait on it again
             raise
@@ -299,11 +313,13 @@ def fit(cfg: TrainConfig, rt: Runtime, default_run_dir: str | None = None) -> fl
     finally:
         if run.lock is not None:
             run.lock.release()
-    if rt.is_main and (run.path / "metrics.jsonl").exists():
-        draw_curves(run.path)
-        draw_predictions(tr.task, tr.raw_model, tr.data.val.dataset, tr.data.preprocess_eval,
-                         rt, tr.data.classes, run.path)  # fmt: skip
-    return float(record.get(f"val/{cfg.task.monitor}", float("nan")))
+    return float("nan") if tr.best is None else float(tr.best)
+
+
+def run_files(run_dir: Path) -> list[Path]:
+    """What the trackers keep of a finished run: its config, records and pictures."""
+    named = [run_dir / n for n in ("config.yaml", "env.json", "metrics.jsonl", "eval.json")]
+    return [p for p in [*named, *sorted(run_dir.glob("*.png"))] if p.is_file()]
 
 
 def draw_curves(run_dir: Path) -> None:
@@ -331,6 +347,8 @@ def train_epochs(tr: Training) -> dict[str, Any]:
         tr.run_dir, rt.world_size, rt.device, rt.backend, t.precision, global_batch(cfg, rt),
         cfg.data.batch_size, rt.world_size, t.grad_accum_steps, tr.total_steps,
     )  # fmt: skip
+    tracked = TrackedRun(tr.run_dir, tr.run_dir.name, tr.config_record, tr.resumed_trackers)
+    tr.trackers.start(tracked, read_metrics(tr.run_dir) if rt.is_main else [])
     if finished(tr):
         log.info("nothing to train: the run already did %d epochs, %d steps", tr.epoch, tr.step)
     tr.callbacks.on_train_start(tr)

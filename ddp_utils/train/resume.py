@@ -66,6 +66,7 @@ def checkpoint_state(tr: Training) -> dict[str, Any]:
         "world_size": tr.rt.world_size,
         "classes": tr.data.classes,
         "samples_seen": tr.samples_seen,
+        "trackers": tr.trackers.state(),  # the tracker runs a resume continues (main rank's)
         **({"tokenizer": tr.data.tokenizer} if tr.data.tokenizer is not None else {}),
         "config": tr.config_record,
     }
@@ -227,6 +228,7 @@ def restore(tr: Training, ckpt: dict[str, Any]) -> None:
     tr.epoch, tr.step = ckpt["epoch"], ckpt["step"]
     tr.sample_offset = ckpt["sample_offset"]
     tr.samples_seen = ckpt.get("samples_seen", 0)  # 0: a checkpoint from before it was kept
+    tr.resumed_trackers = ckpt.get("trackers") or {}
     tr.best, tr.best_ema = resumed_best(ckpt, tr.cfg.task.monitor)
     if tr.ema is not None and "model_ema" in ckpt:
         tr.ema.load_state_dict(ckpt["model_ema"])

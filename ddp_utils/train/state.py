@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -26,8 +26,8 @@ from ddp_utils.optim import build_optimizer, build_scheduler, warmup_steps
 from ddp_utils.preemption import StopRequest
 from ddp_utils.progress import Progress
 from ddp_utils.tasks import Task, build_task, check_task
-from ddp_utils.tracking import Tracker
-from ddp_utils.train.callbacks import CallbackList, build_callbacks
+from ddp_utils.tracking import Trackers, build_trackers
+from ddp_utils.train.callbacks import Callback, CallbackList, build_callbacks
 from ddp_utils.train.precision import amp_context, resolve_precision
 from ddp_utils.train.rng import seed_everything
 from ddp_utils.watchdog import StepWatchdog
@@ -88,7 +88,7 @@ class Training:
     stop: StopRequest
     watchdog: StepWatchdog
     progress: Progress
-    tracker: Tracker
+    trackers: Trackers  # the main rank's; started after the resume
     callbacks: CallbackList
     metrics: MetricCollection  # validation's, reset for each model scored
     # This rank's (loss sum, its count, skipped images) of the epoch so far, on the device;
@@ -106,17 +106,20 @@ class Training:
     interval_start: float = 0.0
     interval_samples: int = 0
     record: dict[str, Any] = field(default_factory=dict)  # the newest validation record
+    # Set by a callback (Optuna's pruning) to end the run after this validation, cleanly.
+    stop_early: str | None = None
+    resumed_trackers: dict[str, Any] = field(default_factory=dict)  # the checkpoint's ids
     # The last validation's full results by prefix ("val", "val_ema"): the confusion matrix,
     # per-class accuracy, ... of which metrics.jsonl keeps the headline numbers.
     validation: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def close(self, drain: bool = True) -> None:
-        """Stop the helpers: signal handlers, watchdog, progress bar, TensorBoard writer, the
+        """Stop the helpers: signal handlers, watchdog, progress bar, the trackers, the
         loaders' workers."""
         self.stop.close(drain)
         self.watchdog.close()
         self.progress.end_epoch()
-        self.tracker.close()
+        self.trackers.close()
         self.data.close()
 
 
@@ -132,7 +135,9 @@ def build_ema(cfg: TrainConfig, rt: Runtime, raw_model: nn.Module) -> EMA | None
     return EMA(raw_model, decay, t.ema_every_steps)
 
 
-def build_training(cfg: TrainConfig, rt: Runtime, run_dir: Path) -> Training:
+def build_training(
+    cfg: TrainConfig, rt: Runtime, run_dir: Path, extra_callbacks: Sequence[Callback] = ()
+) -> Training:
     """Every rank: the model, data, optimizer and the helpers of one run (the stop request
     creates a process group, so all ranks must call this). ``cfg`` has a resolved precision."""
     t = cfg.trainer
@@ -175,8 +180,8 @@ def build_training(cfg: TrainConfig, rt: Runtime, run_dir: Path) -> Training:
             global_batch(cfg, rt) * (data.tokens_per_sample or 1),
             unit="img" if data.tokens_per_sample is None else "tok",
         ),  # fmt: skip
-        tracker=Tracker(cfg.logger, run_dir, rt),
-        callbacks=build_callbacks(cfg.callbacks),
+        trackers=build_trackers(cfg.logger, cfg.logger_cfg, rt),
+        callbacks=build_callbacks(cfg.callbacks, extra_callbacks),
         metrics=metrics,
         epoch_totals=torch.zeros(3, dtype=torch.float64, device=rt.device),
     )

@@ -16,12 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from hydra.core.utils import JobReturn, JobStatus, filter_overrides
+from hydra.core.utils import JobReturn, JobStatus
 from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, open_dict
 
-from ddp_utils.sweep import final_metrics
+from ddp_utils.sweep import best_monitored, task_overrides
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ class TorchrunLauncher(Launcher):
                 f"--nproc_per_node={self.nproc_per_node}", *self.torchrun_args,
                 script, *overrides, f"run_dir={job_dir}",
             ]  # fmt: skip
-            log.info("sweep job #%d: %s", idx, " ".join(filter_overrides(overrides)))
+            log.info("sweep job #%d: %s", idx, " ".join(task_overrides(overrides)))
             code = subprocess.call(cmd)
             returns.append(self._job_return(job_cfg, list(overrides), job_dir, code))
             self.hydra_context.callbacks.on_job_end(config=job_cfg, job_return=returns[-1])
@@ -75,7 +75,10 @@ class TorchrunLauncher(Launcher):
             cfg.hydra.runtime.output_dir = str(job_dir)
         if code == 0:
             ret.status = JobStatus.COMPLETED
-            ret.return_value = final_metrics(job_dir).get("val/accuracy")
+            # The job's objective, as train.py returns it in-process: its best monitored value.
+            task = cfg.get("task") or {}
+            monitor, mode = task.get("monitor", "accuracy"), task.get("monitor_mode", "max")
+            ret.return_value = best_monitored(job_dir, monitor, mode)
         else:
             ret.status = JobStatus.FAILED
             ret.return_value = RuntimeError(f"torchrun exited with code {code} (see its output)")

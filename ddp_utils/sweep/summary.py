@@ -9,7 +9,9 @@ Two ways to sweep:
   one at a time.
 
 Either way ``SweepSummary`` (a Hydra callback) writes ``job.json`` into each job's directory
-and ``summary.csv`` / ``summary.json`` into the sweep directory, from global rank 0.
+and ``summary.csv`` / ``summary.json`` into the sweep directory, from global rank 0. An Optuna
+sweep (``hydra/sweeper=optuna``, ``ddp_utils.sweep.driver``) adds each trial's number, state,
+value and parameters to its job.json, and the best trial to the table.
 """
 
 from __future__ import annotations
@@ -17,20 +19,22 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import math
 import time
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
-from hydra.core.utils import JobReturn, JobStatus, filter_overrides
+from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from ddp_utils.config import ConfigError
 from ddp_utils.dist import read_launch_env
-from ddp_utils.run import run_tag
+from ddp_utils.run import read_metrics, run_tag
 
 log = logging.getLogger(__name__)
 # A job's final numbers in the summary: these, then every val/ scalar its task logged.
@@ -48,6 +52,11 @@ def sweep_dir_name() -> str:
     if run_id and run_id != "none":
         return f"multirun/{run_tag(run_id)}"
     return f"multirun/{_STARTED}"
+
+
+def task_overrides(overrides: Sequence[str]) -> list[str]:
+    """A job's own overrides: without Hydra's (``hydra.``, ``+hydra.``, ``++hydra.``)."""
+    return [o for o in overrides if not o.lstrip("+~").startswith("hydra.")]
 
 
 def in_sweep() -> bool:
@@ -71,26 +80,51 @@ def jobs_run_here() -> bool:
 
 
 def final_metrics(job_dir: Path) -> dict[str, Any]:
-    path = job_dir / "metrics.jsonl"
-    lines = path.read_text().splitlines() if path.exists() else []
-    last = json.loads(lines[-1]) if lines else {}
+    records = read_metrics(job_dir)
+    last = records[-1] if records else {}
     return {k: v for k, v in last.items() if k in SUMMARY_KEYS or k.startswith("val/")}
+
+
+def best_monitored(job_dir: Path, monitor: str, mode: str) -> float | None:
+    """The run's best ``val/<monitor>`` in its metrics.jsonl (a sweep's objective)."""
+    key = f"val/{monitor}"
+    values = [r[key] for r in read_metrics(job_dir) if isinstance(r.get(key), (int, float))]
+    finite = [v for v in values if math.isfinite(v)]
+    return (max if mode == "max" else min)(finite) if finite else None
+
+
+def add_to_job(job_dir: Path, fields: dict[str, Any]) -> None:
+    """Merge ``fields`` into ``<job>/job.json`` (made if the job never wrote one)."""
+    path = job_dir / "job.json"
+    job = json.loads(path.read_text()) if path.exists() else {
+        "job": fields.get("trial"), "overrides": [], "status": "FAILED"}  # fmt: skip
+    job_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({**job, **fields}, indent=2))
 
 
 def write_summary(sweep_dir: Path) -> list[dict[str, Any]]:
     """Collect every ``<job>/job.json`` into ``summary.csv`` and ``summary.json``."""
+    if not sweep_dir.is_dir():
+        return []  # the sweep stopped before its first job
     rows = []
     for job_file in sorted(sweep_dir.glob("*/job.json"), key=lambda p: int(p.parent.name)):
         job = json.loads(job_file.read_text())
         rows.append({**job, **final_metrics(job_file.parent)})
     (sweep_dir / "summary.json").write_text(json.dumps(rows, indent=2))
     scores = dict.fromkeys(k for r in rows for k in r if k.startswith("val/"))
-    columns = ["job", "overrides", "status", *SUMMARY_KEYS, *scores, "monitor", "error"]
+    trial = ["trial", "state", "value", "params"] if any("trial" in r for r in rows) else []
+    columns = ["job", *trial, "overrides", "status", *SUMMARY_KEYS, *scores, "monitor", "error"]
     with open(sweep_dir / "summary.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
         writer.writeheader()
-        writer.writerows({**r, "overrides": " ".join(r["overrides"])} for r in rows)
+        writer.writerows({**r, "overrides": " ".join(r["overrides"]),
+                          "params": params_text(r.get("params"))} for r in rows)  # fmt: skip
     return rows
+
+
+def params_text(params: dict[str, Any] | None) -> str:
+    return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                    for k, v in (params or {}).items())  # fmt: skip
 
 
 def format_summary(rows: list[dict[str, Any]]) -> str:
@@ -99,15 +133,30 @@ def format_summary(rows: list[dict[str, Any]]) -> str:
     head = monitors.pop() if len(monitors) == 1 else "monitor"
     width = max(12, len(head))
     lines = [f"{'job':>4}  {'status':<9} {head:>{width}} {'train/loss':>10}  overrides"]
+    best = best_row(rows)
     for r in rows:
         monitor = r.get("monitor", DEFAULT_MONITOR)
         score = f"{r[monitor]:.4f}" if monitor in r else "-"
         if head == "monitor" and monitor in r:
             score = f"{monitor.removeprefix('val/')} {score}"
         loss = f"{r['train/loss']:.4f}" if "train/loss" in r else "-"
-        overrides = " ".join(r["overrides"])
-        lines.append(f"{r['job']:>4}  {r['status']:<9} {score:>{width}} {loss:>10}  {overrides}")
+        overrides = params_text(r["params"]) if "params" in r else " ".join(r["overrides"])
+        status = r.get("state", r["status"])  # an Optuna trial's: COMPLETE, PRUNED or FAIL
+        lines.append(f"{r['job']:>4}  {status:<9} {score:>{width}} {loss:>10}  {overrides}")
+    if best is not None:
+        lines.append(f"best: trial {best['trial']} (job {best['job']}), objective "
+                     f"{best['value']:.4f} ({best['monitor']}, the run's best), "
+                     f"{params_text(best['params'])}")  # fmt: skip
     return "\n".join(lines)
+
+
+def best_row(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """An Optuna sweep's best COMPLETE trial (its ``direction`` is in every trial's row)."""
+    done = [r for r in rows if r.get("state") == "COMPLETE" and r.get("value") is not None]
+    if not done:
+        return None
+    pick = max if done[0].get("direction") == "maximize" else min
+    return pick(done, key=lambda r: r["value"])
 
 
 class SweepSummary(Callback):
@@ -125,7 +174,7 @@ class SweepSummary(Callback):
         failed = job_return.status != JobStatus.COMPLETED
         job = {
             "job": int(config.hydra.job.num),
-            "overrides": list(filter_overrides(job_return.overrides or [])),
+            "overrides": task_overrides(job_return.overrides or []),
             "status": "FAILED" if failed else "COMPLETED",
             "monitor": f"val/{OmegaConf.select(config, 'task.monitor', default='accuracy')}",
             "error": str(job_return._return_value) if failed else None,
