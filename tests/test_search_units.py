@@ -164,3 +164,27 @@ def test_csv_holds_metrics_jsonl_records_with_every_key(tmp_path):
     rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
     assert [{k: float(v) for k, v in r.items() if v != ""} for r in rows] == records
     assert not os.path.exists(tmp_path / "metrics.csv.tmp")
+
+
+def test_a_diverged_trial_fails_alone_and_a_mistake_stops_the_search(tmp_path):
+    from hydra.core.utils import JobReturn, JobStatus
+    from omegaconf import OmegaConf
+
+    from ddp_utils.sweep.driver import SearchRun
+    from ddp_utils.train.finite import NonFiniteError
+
+    config = OmegaConf.create({"task": {"monitor_mode": "max"}, "hydra": {
+        "job": {"name": "train"}, "sweep": {"dir": str(tmp_path)}, "sweeper": {}}})  # fmt: skip
+    run = SearchRun(config, sweeper(None, n_trials=4), ["optim.lr=interval(0.01, 0.1)"], True)
+
+    def fail(outcome):
+        number = run.next(config)[0]  # ask the next trial, then its job fails with outcome
+        ret = JobReturn(overrides=[], status=JobStatus.FAILED)
+        ret._return_value = outcome
+        run.tell_all([ret], tmp_path)
+        return json.loads((tmp_path / str(number) / "job.json").read_text())
+
+    assert fail(NonFiniteError("diverged at step 3"))["state"] == "FAIL"
+    assert fail(ConfigError("optim.lr=-1 is out of range"))["state"] == "FAIL"
+    with pytest.raises(ConfigError, match="optim.lr=-1 is out of range"):
+        run.next(config)  # the search stops: the same mistake would fail every trial

@@ -120,7 +120,7 @@ class SearchRun:
             fields = self.search.tell(ask, completed, outcome if completed else None,
                                       None if completed else str(outcome))  # fmt: skip
             add_to_job(job_dir(ret, sweep_dir, ask.number), fields)
-            if not completed and isinstance(outcome, ConfigError):
+            if not completed and is_mistake(outcome):
                 self.stop = str(outcome)  # the same mistake would fail every trial
         write_summary(sweep_dir)
 
@@ -132,6 +132,12 @@ class SearchRun:
         ):
             raise SweepFailed(f"no trial of study {report['study_name']} finished; see "
                               f"{sweep_dir / 'summary.csv'}")  # fmt: skip
+
+
+def is_mistake(error: Any) -> bool:
+    """A configuration mistake (exit code 2) stops the search; a trial of its own failing
+    (a diverged run, exit code 3; a crash) is one FAIL, and the search goes on."""
+    return isinstance(error, ConfigError) and getattr(error, "exit_code", 2) == 2
 
 
 def job_dir(ret: JobReturn, sweep_dir: Path, number: int) -> Path:
