@@ -75,7 +75,11 @@ class SearchRun:
 
     def __init__(self, config: DictConfig, sweeper: Mapping[str, Any], arguments: Sequence[str],
                  in_process: bool) -> None:  # fmt: skip
-        from ddp_utils.sweep.optuna_search import Search, search_space, study_direction
+        try:
+            from ddp_utils.sweep.optuna_search import Search, search_space, study_direction
+        except ModuleNotFoundError as e:
+            raise ConfigError(f"hydra/sweeper=optuna needs the {e.name} package: pip install "
+                              "-e '.[optuna]' (make install installs it).") from None  # fmt: skip
 
         space, self.fixed = search_space(sweeper.get("params"), arguments)
         direction = study_direction(sweeper.get("direction"),
