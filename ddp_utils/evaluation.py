@@ -29,7 +29,7 @@ from ddp_utils.metrics import build_metrics, evaluate, scalars
 from ddp_utils.models import build_model, memory_format_of
 from ddp_utils.run import log, setup_logging
 from ddp_utils.tasks import build_task, check_task, draw_predictions
-from ddp_utils.train.checkpoint import load_checkpoint, load_model_state
+from ddp_utils.train.checkpoint import load_checkpoint, load_model_state, model_weights
 from ddp_utils.train.precision import amp_context, resolve_precision
 from ddp_utils.watchdog import StepWatchdog
 
@@ -142,18 +142,6 @@ def report_to_tracker(ckpt: dict[str, Any], train_cfg: TrainConfig, checkpoint: 
     except Exception as e:
         log.warning("eval.json not logged to MLflow run %s (%s: %s)", run_id,
                     type(e).__name__, e)  # fmt: skip
-
-
-def model_weights(ckpt: dict[str, Any], checkpoint: Path, ema: bool) -> dict[str, Any]:
-    """The checkpoint's model weights, or with ``ema=true`` its EMA weights."""
-    if not ema:
-        return ckpt["model"]
-    if "model_ema" not in ckpt:
-        raise ConfigError(
-            f"ema=true but checkpoint={checkpoint} holds no EMA weights: train with "
-            "trainer.ema_decay=0.9999 (for example), or drop ema=true."
-        )
-    return ckpt["model_ema"]["model"]
 
 
 def check_classes(

@@ -19,11 +19,11 @@ from ddp_utils.data.tokenizer import Tokenizer, from_spec
 from ddp_utils.files import atomic_write_text
 from ddp_utils.models import build_model
 from ddp_utils.models.probe import eval_mode
-from ddp_utils.train.checkpoint import load_checkpoint, load_model_state
+from ddp_utils.train.checkpoint import load_checkpoint, load_model_state, model_weights
 
 
 def load_generator(cfg: GenerateConfig, device: torch.device) -> tuple[nn.Module, Tokenizer, int]:
-    """The checkpoint's model (eval mode, on ``device``), its tokenizer and context length."""
+    """The checkpoint's model (on ``device``), its tokenizer and context length."""
     ckpt = load_checkpoint(cfg.checkpoint)
     spec = ckpt.get("tokenizer")
     train_cfg = to_schema(from_record(ckpt["config"]))
@@ -35,11 +35,9 @@ def load_generator(cfg: GenerateConfig, device: torch.device) -> tuple[nn.Module
             "(prepare_text, data=pystdlib)."
         )
     model = build_model(train_cfg.model, train_cfg.data)
-    if cfg.ema and "model_ema" not in ckpt:
-        raise ConfigError(f"ema=true but checkpoint={cfg.checkpoint} holds no EMA weights.")
-    weights = ckpt["model_ema"]["model"] if cfg.ema else ckpt["model"]
+    weights = model_weights(ckpt, cfg.checkpoint, cfg.ema)
     load_model_state(model, weights, f"checkpoint={cfg.checkpoint}", "Give a train.py checkpoint.")
-    return model.to(device).eval(), from_spec(spec), train_cfg.data.block_size
+    return model.to(device), from_spec(spec), train_cfg.data.block_size
 
 
 def encode_prompt(tokenizer: Tokenizer, prompt: str) -> list[int]:
@@ -55,7 +53,6 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str) -> list[int]:
     return ids
 
 
-@torch.no_grad()
 def sample(
     model: nn.Module,
     ids: list[int],
@@ -64,7 +61,8 @@ def sample(
     vocab: int,
     device: torch.device,
 ) -> list[list[int]]:
-    """``num_samples`` continuations of ``ids``, ``max_new_tokens`` each."""
+    """``num_samples`` continuations of ``ids``, ``max_new_tokens`` each (in eval mode,
+    without gradients)."""
     g = torch.Generator(device=device).manual_seed(cfg.seed)
     x = torch.tensor(ids, dtype=torch.long, device=device).repeat(cfg.num_samples, 1)
     with eval_mode(model):

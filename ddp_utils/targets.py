@@ -1,4 +1,5 @@
-"""``_target_``s (models, tasks): import one, and call it with what its signature takes."""
+"""``_target_``s (models, tasks, callbacks, trackers): import one, call it with what its
+signature takes, or build one and check what it is."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from hydra.utils import get_object
+from hydra.errors import InstantiationException
+from hydra.utils import get_object, instantiate
 
 from ddp_utils.config import ConfigError
 
@@ -16,6 +18,21 @@ def why(e: BaseException) -> str:
     cause = e.__cause__ or e
     text = str(cause).strip().splitlines()
     return f"{type(cause).__name__}: {text[-1][:300] if text else ''}"
+
+
+def build_instance(key: str, spec: Mapping[str, Any], base: type, fix: str) -> Any:
+    """``instantiate(spec)`` (a mapping with a ``_target_``), which must be a ``base``; a target
+    that cannot be built, or builds something else, is a ConfigError naming ``key``."""
+    target = spec.get("_target_")
+    try:
+        built = instantiate(spec, _convert_="all")
+    except InstantiationException as e:
+        cause = e.__cause__ or e
+        raise ConfigError(f"{key}: {target} could not be built ({type(cause).__name__}: "
+                          f"{str(cause).strip()[:300]}); {fix}") from None  # fmt: skip
+    if not isinstance(built, base):
+        raise ConfigError(f"{key}: {target} is not a {base.__module__}.{base.__qualname__}.")
+    return built
 
 
 def target_arguments(

@@ -220,6 +220,21 @@ def compose_config(*overrides: str, name: str = "train"):
     return to_schema(cfg, EvalConfig if name == "eval" else TrainConfig)
 
 
+def eval_at_world_sizes(checkpoint: Path, out_dir: Path) -> dict[int | None, dict]:
+    """eval.py's results for ``checkpoint`` in one process (a fork: None), and under torchrun
+    at 2 and 3 processes."""
+    results = {}
+    for n in (None, 2, 3):
+        out = out_dir / f"eval{n}.json"
+        args = (f"checkpoint={checkpoint}", f"output={out}")
+        if n is None:
+            assert run_forked("eval.py", *args).returncode == 0
+        else:
+            run_script("eval.py", *args, nproc=n)
+        results[n] = json.loads(out.read_text())
+    return results
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

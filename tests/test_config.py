@@ -43,6 +43,10 @@ def test_every_option_composes_and_validates(group, option):
         ("model", "custom"): ["model._target_=ddp_utils.models.nets.MLP"],
         ("data", "tokens"): ["model=gpt", "task=language_model"],
         ("data", "pystdlib"): ["model=gpt", "task=language_model"],
+        **{
+            ("data", seg): ["model=seg_convnet", "task=segmentation"]
+            for seg in ("digits_seg", "mnist_seg", "segfolder", "voc")
+        },
     }.get((group, option), [])
     cfg = to_schema(compose_train(f"{group}={option}", *required))
     assert isinstance(cfg, TrainConfig)

@@ -3,12 +3,18 @@ world sizes 1, 2 and 3, an exact resume after a SIGKILL, deterministic generatio
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
 from callbacks import fault
-from conftest import assert_same_params, params, read_metrics, run_forked, run_script
+from conftest import (
+    assert_same_params,
+    eval_at_world_sizes,
+    params,
+    read_metrics,
+    run_forked,
+    run_script,
+)
 from lm_data import write_token_folder
 
 VAL_WINDOWS = 121  # 16-token windows: 121 = 11 x 11, which neither 2 nor 3 divides
@@ -54,16 +60,7 @@ def test_sigkill_mid_epoch_then_elastic_restart_matches_uninterrupted(tokens, re
 
 
 def test_eval_loss_is_the_same_at_world_sizes_1_2_and_3(reference, tmp_path):
-    ckpt = reference / "checkpoints" / "last.pt"
-    results = {}
-    for n in (None, 2, 3):
-        out = tmp_path / f"eval{n}.json"
-        args = (f"checkpoint={ckpt}", f"output={out}")
-        if n is None:
-            assert run_forked("eval.py", *args).returncode == 0
-        else:
-            run_script("eval.py", *args, nproc=n)
-        results[n] = json.loads(out.read_text())
+    results = eval_at_world_sizes(reference / "checkpoints" / "last.pt", tmp_path)
     logged = read_metrics(reference)[-1]
     for n, r in results.items():
         assert r["num_samples"] == VAL_WINDOWS, n

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import ROOT, read_metrics, run_forked, run_script
+from conftest import ROOT, eval_at_world_sizes, read_metrics, run_forked, run_script
 
 AUROC = ("+task.metrics.auroc._target_=torchmetrics.classification.MulticlassAUROC",
          "+task.metrics.auroc.num_classes=${data.num_classes}")  # fmt: skip
@@ -36,16 +36,7 @@ def test_a_users_metric_is_logged_and_picks_best_pt(auroc_run):
 
 def test_every_metric_is_the_same_at_world_sizes_1_2_and_3(auroc_run, tmp_path):
     """359 validation digits: no world size here divides them, none is padded."""
-    ckpt = auroc_run / "checkpoints" / "last.pt"
-    results = {}
-    for n in (None, 2, 3):
-        out = tmp_path / f"eval{n}.json"
-        args = (f"checkpoint={ckpt}", f"output={out}")
-        if n is None:  # one process: a fork of this one
-            assert run_forked("eval.py", *args).returncode == 0
-        else:
-            run_script("eval.py", *args, nproc=n)
-        results[n] = json.loads(out.read_text())
+    results = eval_at_world_sizes(auroc_run / "checkpoints" / "last.pt", tmp_path)
     base, logged = results[None], read_metrics(auroc_run)[-1]
     assert base["num_samples"] == 359 and base["auroc"] == logged["val/auroc"]
     for n, r in results.items():

@@ -160,7 +160,7 @@ def test_csv_holds_metrics_jsonl_records_with_every_key(tmp_path):
     records = [{"epoch": 0, "step": 3, "train/loss": 1.5},
                {"epoch": 1, "step": 6, "train/loss": 0.25, "val/accuracy": 0.875}]  # fmt: skip
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    write_csv(tmp_path / "metrics.jsonl", tmp_path / "metrics.csv")
+    write_csv(tmp_path, tmp_path / "metrics.csv")
     rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
     assert [{k: float(v) for k, v in r.items() if v != ""} for r in rows] == records
     assert not os.path.exists(tmp_path / "metrics.csv.tmp")
@@ -188,3 +188,21 @@ def test_a_diverged_trial_fails_alone_and_a_mistake_stops_the_search(tmp_path):
     assert fail(ConfigError("optim.lr=-1 is out of range"))["state"] == "FAIL"
     with pytest.raises(ConfigError, match="optim.lr=-1 is out of range"):
         run.next(config)  # the search stops: the same mistake would fail every trial
+
+
+def suggest_momentum(cfg, trial) -> None:
+    """A custom_search_space: momentum only for SGD (a conditional parameter)."""
+    if trial.params["optim"] == "sgd":
+        trial.suggest_float("optim.momentum", 0.8, 0.99)
+
+
+def test_custom_search_space_adds_conditional_parameters_to_the_trials_overrides():
+    space, fixed = search_space({"optim": "choice(sgd, adamw)"}, [])
+    search = Search(sweeper(None, n_trials=6), space, "maximize", "train",
+                    "test_search_units.suggest_momentum")  # fmt: skip
+    asks = [search.ask(None)[0] for _ in range(6)]
+    for ask in asks:
+        assert ("optim.momentum" in ask.params) == (ask.params["optim"] == "sgd")
+        search.tell(ask, True, 0.5, None)
+    sgd = next(a for a in asks if a.params["optim"] == "sgd")
+    assert f"optim.momentum={sgd.params['optim.momentum']!r}" in sgd.overrides(fixed)

@@ -16,7 +16,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from ddp_utils.config.data import DataConfig, DigitsData, TokenData
+from ddp_utils.config.data import DataConfig, DigitsData, SegmentationData, TokenData
 from ddp_utils.config.errors import ConfigError, check_choice, check_fraction, check_positive
 from ddp_utils.config.logger import LoggerOptions, logger_names
 from ddp_utils.config.model import ConvNetModel, ModelConfig
@@ -179,7 +179,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             )
         node.check()
     check_run(cfg)
-    check_tokens_pairing(cfg)
+    check_pairing(cfg)
     if cfg.model.name == "convnet" and cfg.data.image_size < 4:
         raise ConfigError(
             f"model=convnet pools twice: data.image_size={cfg.data.image_size} must be >= 4."
@@ -187,13 +187,26 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     return cfg
 
 
-def check_tokens_pairing(cfg: TrainConfig) -> None:
-    """Token ids need a task for tokens, and a language model needs token ids."""
-    tokens = isinstance(cfg.data, TokenData)
+def check_pairing(cfg: TrainConfig) -> None:
+    """Masks need a per-pixel task and token ids a language model, and each of those tasks
+    needs its data."""
+    masks, tokens = isinstance(cfg.data, SegmentationData), isinstance(cfg.data, TokenData)
+    if cfg.task.name == "segmentation" and not masks:
+        raise ConfigError(
+            f"task=segmentation needs image/mask data: data=segfolder | voc | digits_seg | "
+            f"mnist_seg (this is data={cfg.data.name}); experiment=digits_segmentation sets "
+            "all of it."
+        )
     if cfg.task.name == "language_model" and not tokens:
         raise ConfigError(
             f"task=language_model needs token data: data=tokens data.root=DIR or data=pystdlib "
             f"(this is data={cfg.data.name}); experiment=lm_char sets all of it."
+        )
+    if masks and cfg.task.name == "classification":
+        raise ConfigError(
+            f"data={cfg.data.name} holds masks: train it with task=segmentation (and a "
+            "segmentation model: model=seg_convnet | torchvision_seg), or start from "
+            "experiment=digits_segmentation."
         )
     if tokens and cfg.task.name in ("classification", "segmentation"):
         raise ConfigError(

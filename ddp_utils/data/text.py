@@ -5,7 +5,6 @@ so the input may be larger than memory."""
 from __future__ import annotations
 
 import json
-import os
 import pickle
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +21,7 @@ from ddp_utils.data.tokenizer import (
     Tokenizer,
     train_bpe,
 )
+from ddp_utils.files import atomic_write_text
 
 CHUNK = 1 << 22  # tokens copied at a time when splitting
 
@@ -135,7 +135,5 @@ def prepare(
                 },
                 f,
             )
-    tmp = out / f".meta.json.{os.getpid()}"
-    tmp.write_text(json.dumps(meta, indent=1))
-    os.replace(tmp, out / "meta.json")  # last: a folder with meta.json is complete
+    atomic_write_text(out / "meta.json", json.dumps(meta, indent=1))  # last: complete now
     return meta

@@ -228,7 +228,7 @@ class Search:
         trial = self.study.get_trials(deepcopy=False)[ask.number]
         if not completed:
             trial_state, told = TrialState.FAIL, None
-        elif PRUNED_AT in self.study._storage.get_trial(trial._trial_id).user_attrs:
+        elif PRUNED_AT in trial.user_attrs:  # set by the trial's pruning callback
             trial_state, told = TrialState.PRUNED, None
         elif isinstance(value, (int, float)) and math.isfinite(value):
             trial_state, told = TrialState.COMPLETE, float(value)

@@ -16,7 +16,7 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from torch import nn
 
-from ddp_utils.config import ConfigError, SegmentationData, TrainConfig, own_keys
+from ddp_utils.config import ConfigError, TrainConfig, own_keys
 from ddp_utils.data import offered_by_data
 from ddp_utils.dist import Runtime
 from ddp_utils.models import memory_format_of
@@ -47,7 +47,6 @@ def build_task(cfg: TrainConfig) -> Task:
                 f"{', '.join(used)} only apply to task=classification (this is task={t.name}); "
                 "set them to 0."
             )
-    check_pairing(cfg)
     offered = offered_by_data(cfg.data)
     offered |= {k: getattr(t, k) for k in own_keys(type(t), "task") if k != "kwargs"}
     if t.name == "classification":
@@ -71,23 +70,6 @@ def build_task(cfg: TrainConfig) -> Task:
             "eval_step(model, batch, metrics) (the README's custom task shows both)."
         )
     return task
-
-
-def check_pairing(cfg: TrainConfig) -> None:
-    """Masks need a per-pixel task and a per-pixel task needs masks."""
-    masks = isinstance(cfg.data, SegmentationData)
-    if cfg.task.name == "segmentation" and not masks:
-        raise ConfigError(
-            f"task=segmentation needs image/mask data: data=segfolder | voc | digits_seg | "
-            f"mnist_seg (this is data={cfg.data.name}); experiment=digits_segmentation sets "
-            "all of it."
-        )
-    if masks and cfg.task.name == "classification":
-        raise ConfigError(
-            f"data={cfg.data.name} holds masks: train it with task=segmentation (and a "
-            "segmentation model: model=seg_convnet | torchvision_seg), or start from "
-            "experiment=digits_segmentation."
-        )
 
 
 class _NamedUpdates:

@@ -7,11 +7,8 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from hydra.errors import InstantiationException
-from hydra.utils import get_class, instantiate
-
-from ddp_utils.config import ConfigError
 from ddp_utils.dist import Runtime
+from ddp_utils.targets import build_instance
 from ddp_utils.tracking.base import TrackedRun, Tracker, Trackers, tracked_values
 from ddp_utils.tracking.env import environment, environment_text, peak_memory_mb
 
@@ -25,22 +22,13 @@ def build_trackers(names: Sequence[str], options: Any, rt: Runtime) -> Trackers:
 
 
 def make_trackers(names: Sequence[str], options: Any) -> list[Tracker]:
+    """``logger``'s trackers: ``logger_cfg``'s for a name, a class of yours for a path."""
     built = []
     for name in names:
-        try:
-            if "." in name:  # a class of yours
-                tracker = get_class(name)()
-                tracker.name = name
-            else:
-                spec = options[name] if isinstance(options, dict) else getattr(options, name)
-                tracker = instantiate(dataclasses.asdict(spec) if dataclasses.is_dataclass(spec)
-                                      else spec, _convert_="all")  # fmt: skip
-        except (InstantiationException, ImportError, AttributeError, ValueError) as e:
-            cause = e.__cause__ or e
-            raise ConfigError(f"logger={name} could not be built ({type(cause).__name__}: "
-                              f"{str(cause).strip()[:300]}).") from None  # fmt: skip
-        if not isinstance(tracker, Tracker):
-            raise ConfigError(f"logger={name}: {type(tracker).__name__} is not a "
-                              "ddp_utils.tracking.Tracker.")  # fmt: skip
+        spec = {"_target_": name} if "." in name else dataclasses.asdict(getattr(options, name))
+        fix = f"check logger_cfg.{name} (or the class's import path)."
+        tracker = build_instance(f"logger={name}", spec, Tracker, fix)
+        if "." in name:
+            tracker.name = name  # what its messages call it: what the user wrote
         built.append(tracker)
     return built

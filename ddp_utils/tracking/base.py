@@ -40,6 +40,7 @@ class Tracker:
     up on), ``state`` what the checkpoint keeps for the resume."""
 
     name = "tracker"
+    running = True  # also takes the running loss logged between records
 
     def start(self, run: TrackedRun) -> int | None:
         return None
@@ -98,11 +99,12 @@ class Trackers:
                     self._log_one(t, tracked_values(record), record["step"])
             self._through[id(t)] = through
 
-    def log(self, record: dict[str, Any], step: int) -> None:
-        """Log a record's numbers at ``step``; a tracker that has the step (from the process
-        a resume replaces) does not get it twice."""
+    def log(self, record: dict[str, Any], step: int, running: bool = False) -> None:
+        """Log a record's numbers at ``step`` (``running``: the running loss between
+        records); a tracker that has the step (from the process a resume replaces) does not
+        get it twice."""
         for t in list(self.trackers):
-            if step > self._through.get(id(t), -1):
+            if (t.running or not running) and step > self._through.get(id(t), -1):
                 self._log_one(t, tracked_values(record), step)
 
     def _log_one(self, t: Tracker, values: dict[str, float], step: int) -> None:
@@ -140,14 +142,15 @@ class Trackers:
         self.trackers = []
 
 
-# What the trackers get of each record: the scalars (counts and timings included).
-SKIPPED = ("epoch",)
+# What the trackers get of each record: its numbers (counts and timings too), less the
+# position, which is the step they log at.
+SKIPPED = ("epoch", "step")
 
 
 def tracked_values(record: dict[str, Any]) -> dict[str, float]:
     return {k: float(v) for k, v in record.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in SKIPPED
-            and k != "step"}  # fmt: skip
+            if isinstance(v, (int, float)) and not isinstance(v, bool)
+            and k not in SKIPPED}  # fmt: skip
 
 
 def flat_config(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:

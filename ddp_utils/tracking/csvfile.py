@@ -7,15 +7,17 @@ same values, with a column for every key any record has, and follows a resume's 
 from __future__ import annotations
 
 import csv
-import json
-import os
+import io
 from pathlib import Path
 
+from ddp_utils.files import atomic_write_text
+from ddp_utils.run import read_metrics
 from ddp_utils.tracking.base import TrackedRun, Tracker
 
 
 class CsvTracker(Tracker):
     name = "csv"
+    running = False  # metrics.jsonl's records only
 
     def __init__(self, filename: str = "metrics.csv") -> None:
         self.filename, self.run_dir = filename, None
@@ -30,15 +32,15 @@ class CsvTracker(Tracker):
 
     def write(self) -> None:
         assert self.run_dir is not None
-        write_csv(self.run_dir / "metrics.jsonl", self.run_dir / self.filename)
+        write_csv(self.run_dir, self.run_dir / self.filename)
 
 
-def write_csv(jsonl: Path, out: Path) -> None:
-    records = [json.loads(x) for x in jsonl.read_text().splitlines()] if jsonl.exists() else []
+def write_csv(run_dir: Path, out: Path) -> None:
+    """``out``: ``run_dir/metrics.jsonl``'s records as CSV rows."""
+    records = read_metrics(run_dir)
     columns = list(dict.fromkeys(k for r in records for k in r))
-    tmp = out.with_name(out.name + ".tmp")
-    with open(tmp, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
-        writer.writeheader()
-        writer.writerows(records)
-    os.replace(tmp, out)
+    text = io.StringIO()
+    writer = csv.DictWriter(text, fieldnames=columns)
+    writer.writeheader()
+    writer.writerows(records)
+    atomic_write_text(out, text.getvalue())

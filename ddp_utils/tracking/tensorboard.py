@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from ddp_utils.tracking.base import TrackedRun, Tracker
 
 
@@ -22,9 +20,6 @@ class TensorBoardTracker(Tracker):
     def log(self, values: dict[str, float], step: int) -> None:
         for key, value in values.items():
             self.writer.add_scalar(key, value, step)
-
-    def state(self) -> dict[str, Any]:
-        return {}
 
     def close(self) -> None:
         if self.writer is not None:

@@ -16,10 +16,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hydra.errors import InstantiationException
-from hydra.utils import instantiate
-
 from ddp_utils.config import ConfigError
+from ddp_utils.targets import build_instance
 
 if TYPE_CHECKING:
     from ddp_utils.train.state import Training
@@ -89,15 +87,6 @@ def build_callbacks(specs: Sequence[Any], extra: Sequence[Callback] = ()) -> Cal
                 f"callbacks: each entry needs a _target_ (got {spec!r}); for example "
                 "callbacks='[{_target_: mypkg.MyCallback}]'."
             )
-        try:
-            cb = instantiate(spec, _convert_="all")
-        except InstantiationException as e:
-            cause = e.__cause__ or e
-            raise ConfigError(
-                f"callbacks: {target} could not be built ({type(cause).__name__}: "
-                f"{str(cause).strip()[:300]}); check its import path and arguments."
-            ) from None
-        if not isinstance(cb, Callback):
-            raise ConfigError(f"callbacks: {target} is not a ddp_utils.train.callbacks.Callback.")
-        built.append(cb)
+        built.append(build_instance("callbacks", spec, Callback,
+                                    "check its import path and arguments."))  # fmt: skip
     return CallbackList([*built, *extra])

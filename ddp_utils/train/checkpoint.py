@@ -156,3 +156,15 @@ def load_model_state(model: nn.Module, state: dict[str, Any], where: str, fix: s
         raise ConfigError(
             f"{where} does not fit the model built from the config ({detail}). {fix}"
         ) from None
+
+
+def model_weights(ckpt: dict[str, Any], checkpoint: str | Path, ema: bool) -> dict[str, Any]:
+    """The checkpoint's model weights, or with ``ema=true`` its EMA weights."""
+    if not ema:
+        return ckpt["model"]
+    if "model_ema" not in ckpt:
+        raise ConfigError(
+            f"ema=true but checkpoint={checkpoint} holds no EMA weights: train with "
+            "trainer.ema_decay=0.9999 (for example), or drop ema=true."
+        )
+    return ckpt["model_ema"]["model"]

@@ -89,7 +89,7 @@ def train_one_epoch(tr: Training) -> dict[str, float] | None:
     sampler.set_epoch(tr.epoch, tr.sample_offset)
     tr.callbacks.on_epoch_start(tr)
     tr.model.train()
-    n_batches, start, first_sample = len(loader), time.perf_counter(), tr.sample_offset
+    n_batches = len(loader)
     tr.progress.start_epoch(tr.epoch, tr.step, math.ceil(n_batches / accum))
     for i, (images, labels) in enumerate(loader):
         group_start = i - i % accum
@@ -109,7 +109,7 @@ def train_one_epoch(tr: Training) -> dict[str, float] | None:
             if due:
                 validate_and_save(tr, interval_stats(tr), epoch_done=end)
                 tr.model.train()
-            if reached_max_steps(tr) or tr.stop_early is not None:
+            if finished(tr):
                 break
     tr.watchdog.disarm()
     tr.progress.end_epoch()
@@ -117,15 +117,7 @@ def train_one_epoch(tr: Training) -> dict[str, float] | None:
         if tr.sample_offset == sampler.length:  # done, and no validation rolled it over
             tr.epoch, tr.sample_offset = tr.epoch + 1, 0
         return None
-    totals = all_reduce_sum(tr.epoch_totals.clone()).tolist()
-    elapsed = time.perf_counter() - start
-    # The samples all ranks went through in this process (padding duplicates are no position
-    # of the epoch); totals[1] also holds the resumed part, and counts pixels for masks.
-    samples = tr.sample_offset - first_sample
-    stats = {"train/loss": totals[0] / max(totals[1], 1), "samples_per_s": samples / elapsed}
-    if skips_bad_images(tr.cfg.data):
-        stats["train/skipped_images"] = int(totals[2])
-    return stats
+    return interval_stats(tr)
 
 
 def step_mode(tr: Training) -> bool:
@@ -153,11 +145,20 @@ def validation_due(tr: Training, end_of_epoch: bool) -> bool:
 
 
 def interval_stats(tr: Training) -> dict[str, float]:
-    """Step mode: the training loss and speed since the last validation (every rank)."""
+    """The training loss and speed since the last validation (every rank): the epoch's, or
+    in step mode the interval's.
+
+    The loss is over every rank's samples (``epoch_totals`` also holds a resumed part, and
+    counts pixels for masks); the speed counts the positions all ranks went through in this
+    process (padding duplicates are no position of the epoch).
+    """
     totals = all_reduce_sum(tr.epoch_totals.clone()).tolist()
     elapsed = time.perf_counter() - tr.interval_start
     samples = tr.samples_seen - tr.interval_samples
-    return {"train/loss": totals[0] / max(totals[1], 1), "samples_per_s": samples / elapsed}
+    stats = {"train/loss": totals[0] / max(totals[1], 1), "samples_per_s": samples / elapsed}
+    if skips_bad_images(tr.cfg.data):
+        stats["train/skipped_images"] = int(totals[2])
+    return stats
 
 
 def after_step(tr: Training, checkpoint_follows: bool) -> None:
@@ -187,7 +188,7 @@ def after_step(tr: Training, checkpoint_follows: bool) -> None:
         if not math.isfinite(loss):
             tr.stop.diverged = True  # every rank stops at the next poll, without saving
         tr.progress.report(tr.step, loss, lr)
-        tr.trackers.log({"train/loss_running": loss, "lr": lr}, tr.step)
+        tr.trackers.log({"train/loss_running": loss, "lr": lr}, tr.step, running=True)
 
 
 def current_lr(tr: Training) -> float:
@@ -269,7 +270,6 @@ def validate_and_save(
     # After the checkpoint: a step a tracker has is one a resume does not train again.
     tr.trackers.log(record | {"peak_memory_mb": peak_memory_mb(tr.rt.device)}, tr.step)
     tr.callbacks.on_epoch_end(tr, record)
-    tr.record = record
     tr.interval_start, tr.interval_samples = time.perf_counter(), tr.samples_seen
     return record
 
@@ -332,8 +332,8 @@ def draw_curves(run_dir: Path) -> None:
         log.warning("curves.png not drawn: %s", e.strerror or e)
 
 
-def train_epochs(tr: Training) -> dict[str, Any]:
-    """Resume if there is a checkpoint, then train the remaining epochs; the last record."""
+def train_epochs(tr: Training) -> None:
+    """Resume if there is a checkpoint, then train the remaining epochs (or steps)."""
     cfg, rt, t = tr.cfg, tr.rt, tr.cfg.trainer
     resume(tr)
     tr.first_step = tr.step + 1
@@ -358,4 +358,3 @@ def train_epochs(tr: Training) -> dict[str, Any]:
         if stats is not None:
             validate_and_save(tr, stats)
     tr.callbacks.on_train_end(tr)
-    return tr.record

@@ -105,7 +105,6 @@ class Training:
     # Step mode's interval since the last validation: its start time and samples_seen then
     interval_start: float = 0.0
     interval_samples: int = 0
-    record: dict[str, Any] = field(default_factory=dict)  # the newest validation record
     # Set by a callback (Optuna's pruning) to end the run after this validation, cleanly.
     stop_early: str | None = None
     resumed_trackers: dict[str, Any] = field(default_factory=dict)  # the checkpoint's ids
