@@ -37,6 +37,12 @@ def env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
 
 
+def bench_result(stdout: str) -> dict:
+    """The ``BENCH {json}`` line a benchmark worker prints on rank 0."""
+    line = next(x for x in stdout.splitlines() if x.startswith("BENCH "))
+    return json.loads(line[len("BENCH ") :])
+
+
 def bare_import_s() -> float:
     start = time.perf_counter()
     subprocess.run([sys.executable, "-c", IMPORTS], check=True, env=env())
@@ -57,8 +63,7 @@ def loops(world_size: int, overrides: list[str], variants: list[str]) -> dict[st
            f"--nproc_per_node={world_size}", str(ROOT / "bench" / "worker.py"),
            "--overrides", *overrides, "--variants", *variants]  # fmt: skip
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env()).stdout
-    line = next(x for x in out.splitlines() if x.startswith("BENCH "))
-    return json.loads(line[len("BENCH ") :])["images_per_s"]
+    return bench_result(out)["images_per_s"]
 
 
 def table(rows: list[dict]) -> str:

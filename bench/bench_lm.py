@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -24,11 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
+from bench import bench_result, env  # bench/bench.py: bench/ is a folder of scripts
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
 
 
 def torchrun(world_size: int, script: str, *args: str) -> str:
@@ -68,8 +65,7 @@ def ours(world_size: int, root: Path, extra: list[str], steps: int, every: int, 
 def baseline(world_size: int, root: Path, vocab: int, steps: int) -> float:
     out = torchrun(world_size, "bench/lm_loop.py", f"--root={root}", f"--vocab={vocab}",
                    f"--steps={steps}")  # fmt: skip
-    line = next(x for x in out.splitlines() if x.startswith("BENCH "))
-    return json.loads(line[len("BENCH ") :])["tokens_per_s"]
+    return bench_result(out)["tokens_per_s"]
 
 
 FP32, BF16, COMPILE = "trainer.precision=32", "trainer.precision=bf16", "trainer.compile=true"

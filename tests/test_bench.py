@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -11,6 +10,8 @@ from conftest import ROOT, run_script
 sys.path.insert(0, str(ROOT / "bench"))
 import profile_summary  # noqa: E402 - bench/ is a folder of scripts, not a package
 
+from bench import bench_result  # noqa: E402
+
 
 def test_bench_worker_runs_every_loop():
     proc = run_script(
@@ -18,8 +19,7 @@ def test_bench_worker_runs_every_loop():
         "data.num_train=400", "data.num_val=100", "--variants",
         "train.py bf16=trainer.precision=bf16", nproc=1,
     )  # fmt: skip
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("BENCH "))
-    result = json.loads(line[len("BENCH ") :])
+    result = bench_result(proc.stdout)
     assert result["world_size"] == 1
     rates = result["images_per_s"]
     assert set(rates) == {"tutorial", "raw bound", "train.py", "train.py bf16"}
@@ -89,5 +89,4 @@ def test_bench_lm_baseline_loop_runs(tmp_path):
     root = write_token_folder(tmp_path / "tok", 20_000, 2_000)
     proc = run_script("bench/lm_loop.py", f"--root={root}", f"--vocab={len(CHARS)}",
                       "--steps=6", "--warmup=2", nproc=2)  # fmt: skip
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("BENCH "))
-    assert json.loads(line[len("BENCH ") :])["tokens_per_s"] > 0
+    assert bench_result(proc.stdout)["tokens_per_s"] > 0
