@@ -17,7 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RATE = 50  # py-spy's samples per second (bench/peer.py passes it as --rate)
 PHASES = [  # (phase, a frame that marks it); the first match wins
-    ("plot curves", "draw_curves"),
+    ("plot curves", "draw_pictures"),
     ("teardown", "shutdown (ddp_utils/dist"),
     ("teardown", "close (ddp_utils/train/state"),
     ("teardown", "destroy_process_group"),

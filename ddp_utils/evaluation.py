@@ -24,7 +24,7 @@ from ddp_utils.config import (
 from ddp_utils.data import build_eval_data, close_loader, resolve_data
 from ddp_utils.data.classes import class_difference
 from ddp_utils.dist import Runtime, init_distributed
-from ddp_utils.files import UNWRITABLE, atomic_write_text, unwritable
+from ddp_utils.files import atomic_write_text, writing_into
 from ddp_utils.metrics import build_metrics, evaluate, scalars
 from ddp_utils.models import build_model, memory_format_of
 from ddp_utils.run import log, setup_logging
@@ -119,7 +119,8 @@ def run_eval(cfg: DictConfig, implied: Sequence[str] = ()) -> dict[str, Any]:
         result["classes"] = classes  # the names of the per-class vectors, in their order
     output = Path(cfg.output) if cfg.output else default_output(checkpoint)
     write_report(result, output, f"{data.name}/{data.split}", rt)
-    draw_predictions(task, model, loader.dataset, preprocess, rt, classes, output.parent)
+    with writing_into(output.parent, key="output"):
+        draw_predictions(task, model, loader.dataset, preprocess, rt, classes, output.parent)
     if rt.is_main:
         report_to_tracker(ckpt, train_cfg, checkpoint, output, result)
     return result
@@ -166,14 +167,10 @@ def write_report(result: dict[str, Any], output: Path, what: str, rt: Runtime) -
     from ddp_utils.plot import plot_confusion_matrix  # matplotlib: imported only when drawing
 
     picture = output.parent / "confusion_matrix.png"
-    try:
+    with writing_into(output.parent, key="output"):
         atomic_write_text(output, text)
         if "confusion_matrix" in result:
             plot_confusion_matrix(result["confusion_matrix"], picture)
-    except OSError as e:
-        if e.errno not in UNWRITABLE:
-            raise
-        raise unwritable(e, output.parent, key="output") from None
     lines = [
         f"{result['checkpoint']} on {what}: {result['num_samples']} samples, "
         f"world size {result['world_size']}",

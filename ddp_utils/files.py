@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
-
-import torch
 
 from ddp_utils.config import ConfigError
 
@@ -31,6 +30,20 @@ def _size(n: float) -> str:
     while n >= 1024 and i < len(units) - 1:
         n, i = n / 1024, i + 1
     return f"{n:.0f} B" if i == 0 else f"{n:.1f} {units[i]}"
+
+
+def unwritable_cause(e: BaseException) -> OSError | None:
+    """The ``UNWRITABLE`` OSError behind ``e``, if any. Writers wrap it in errors of their own
+    (torch.save's zip writer raises RuntimeError "unexpected pos" chained from ENOSPC), so the
+    whole chain of causes is searched, not the type of the error that reached us."""
+    seen: set[int] = set()
+    cause: BaseException | None = e
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, OSError) and cause.errno in UNWRITABLE:
+            return cause
+        cause = cause.__cause__ or cause.__context__
+    return None
 
 
 def unwritable(e: OSError, run_dir: Path, key: str = "run_dir") -> UnwritableError:
@@ -55,6 +68,19 @@ def unwritable(e: OSError, run_dir: Path, key: str = "run_dir") -> UnwritableErr
     )
 
 
+@contextlib.contextmanager
+def writing_into(folder: Path, key: str = "run_dir") -> Iterator[None]:
+    """Writes into ``folder`` (which config ``key`` names) that fail for want of space or
+    permission, whatever the writer raised, become the one ``UnwritableError`` paragraph."""
+    try:
+        yield
+    except Exception as e:
+        cause = unwritable_cause(e)
+        if cause is None:
+            raise
+        raise unwritable(cause, folder, key) from None
+
+
 def atomic_write(path: Path, write: Callable[[BinaryIO], Any]) -> None:
     """Write to a temporary file in the same folder, fsync it, then rename over ``path``.
 
@@ -69,8 +95,10 @@ def atomic_write(path: Path, write: Callable[[BinaryIO], Any]) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except OSError as e:
-        e.filename = str(path)  # the file meant, not the temporary one
+    except Exception as e:
+        if (cause := unwritable_cause(e)) is not None:
+            cause.filename = str(path)  # the file meant, not the temporary one
+            raise cause from None
         raise
     finally:
         tmp.unlink(missing_ok=True)
@@ -86,4 +114,6 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 
 def atomic_save(obj: Any, path: Path) -> None:
+    import torch  # here: the plotting command line writes files without loading torch
+
     atomic_write(path, lambda f: torch.save(obj, f))

@@ -16,7 +16,7 @@ from torch import nn
 
 from ddp_utils.config import ConfigError, GenerateConfig, from_record, to_schema
 from ddp_utils.data.tokenizer import Tokenizer, from_spec
-from ddp_utils.files import atomic_write_text
+from ddp_utils.files import atomic_write_text, writing_into
 from ddp_utils.models import build_model
 from ddp_utils.models.probe import eval_mode
 from ddp_utils.train.checkpoint import load_checkpoint, load_model_state, model_weights
@@ -102,5 +102,6 @@ def run_generate(cfg: GenerateConfig) -> list[str]:
             "seed": cfg.seed,
             "samples": texts,
         }
-        atomic_write_text(Path(cfg.output), json.dumps(record, indent=2))
+        with writing_into(Path(cfg.output).parent, key="output"):
+            atomic_write_text(Path(cfg.output), json.dumps(record, indent=2))
     return texts

@@ -17,6 +17,14 @@ import numpy as np
 # state, and a quarter second less to import at the end of every run.
 from matplotlib.figure import Figure
 
+from ddp_utils.files import atomic_write
+
+
+def save_figure(fig: Figure, out: Path, dpi: int) -> None:
+    """A PNG written atomically: a full disk leaves the old picture or none, never half."""
+    out = Path(out)
+    atomic_write(out, lambda f: fig.savefig(f, format="png", dpi=dpi))
+
 
 def expand(paths: list[Path]) -> list[Path]:
     runs: list[Path] = []
@@ -89,7 +97,7 @@ def _value(record: dict, key: str) -> float:
 
 
 def plot_runs(runs: list[Path], out: Path) -> Path:
-    draw_runs(runs).savefig(out, dpi=100)
+    save_figure(draw_runs(runs), out, dpi=100)
     return out
 
 
@@ -107,7 +115,7 @@ def plot_confusion_matrix(matrix: list[list[int]], out: Path) -> Path:
     ax.set(xlabel="predicted", ylabel="true", xticks=range(n), yticks=range(n),
            title="confusion matrix")  # fmt: skip
     fig.tight_layout()
-    fig.savefig(out, dpi=100)
+    save_figure(fig, out, dpi=100)
     return out
 
 
@@ -155,7 +163,7 @@ def plot_predictions(images, truths, preds, classes: list[str], out: Path) -> Pa
     fig.legend(handles=handles, loc="lower center", ncol=min(6, len(handles)), fontsize=8)
     fig.subplots_adjust(left=0.02, right=0.98, top=0.95, bottom=0.8 / (2.4 * n + 0.8) + 0.02,
                         wspace=0.05, hspace=0.08)  # fmt: skip
-    fig.savefig(out, dpi=80)
+    save_figure(fig, out, dpi=80)
     return out
 
 

@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 
 from ddp_utils.config import ConfigError
 from ddp_utils.dist import Runtime, barrier, broadcast_object, read_launch_env
-from ddp_utils.files import UNWRITABLE, UnwritableError, atomic_write_text, unwritable
+from ddp_utils.files import UnwritableError, atomic_write_text, writing_into
 from ddp_utils.lock import LOCK_NAME, RunLock
 
 LOGGER_NAME = "ddp_recipes"
@@ -109,11 +109,10 @@ def write_on_main(run_dir: Path, rt: Runtime, write: Callable[[], Any]) -> None:
     error = None
     if rt.is_main:
         try:
-            write()
-        except OSError as e:
-            if e.errno not in UNWRITABLE:
-                raise
-            error = str(unwritable(e, run_dir))
+            with writing_into(run_dir):
+                write()
+        except UnwritableError as e:
+            error = str(e)
     error = broadcast_object(error)
     if error:
         raise UnwritableError(error)

@@ -126,3 +126,35 @@ class FlakyTracker(Tracker):
         self.records += 1
         if self.records == 2:
             raise ConnectionError("the tracking server went away")
+
+
+class FillDisk(Callback):
+    """Rank 0 fills the filesystem of ``tr.run_dir`` at the end of ``step``, leaving about
+    ``leave`` bytes free (a few KiB: the next checkpoint's zip header fits, its tensors do
+    not, and torch.save raises RuntimeError "unexpected pos"): the next write of the run (a
+    checkpoint, metrics.jsonl) meets a really full disk, wherever the space runs out."""
+
+    def __init__(self, step: int, leave: int = 0) -> None:
+        self.step, self.leave = step, leave
+
+    def on_step_end(self, tr) -> None:
+        if tr.step != self.step or not tr.rt.is_main:
+            return
+        filler = tr.run_dir.parent / "filler"
+
+        def free() -> int:
+            st = os.statvfs(filler)
+            return st.f_bavail * st.f_frsize
+
+        fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        try:
+            while (room := free()) > self.leave:
+                os.write(fd, b"\0" * max(4096, min(1 << 20, room - self.leave)))
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+
+def fill_disk(step: int, leave: int = 0) -> str:
+    return f"callbacks=[{{_target_:tests.callbacks.FillDisk,step:{step},leave:{leave}}}]"

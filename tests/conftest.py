@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import socket
 import subprocess
 import sys
@@ -26,6 +27,7 @@ needs_mnist = pytest.mark.skipif(
 # The longest files first: `make test` runs one file per CPU at a time (xdist --dist
 # loadfile), handed out in collection order, so starting with the long ones packs them best.
 LONGEST_FIRST = ("test_imagefolder_e2e", "test_resume_e2e", "test_slurm_e2e", "test_recipe_e2e",
+                 "test_full_disk_e2e",
                  "test_segmentation_e2e", "test_lm_e2e", "test_search_e2e",
                  "test_trackers_e2e",
                  "test_multinode_sweep_e2e", "test_failures_e2e", "test_metrics_e2e",
@@ -76,6 +78,35 @@ def start_script(
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+def mount_tmpfs(where: Path, size: str) -> Path:
+    """A real tmpfs of ``size`` at ``where`` (the test skips where this process may not mount
+    one); unmount it with ``umount -l``."""
+    where.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                             capture_output=True, text=True)  # fmt: skip
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip() or 'not root'}")
+    return where
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1 MiB tmpfs (skipped where this process may not mount one)."""
+    disk = mount_tmpfs(tmp_path / "disk", "1m")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def our_error_lines(stderr: str) -> list[str]:
+    """The lines with "error" that we printed: not torchrun's summary after its traceback,
+    nor its log lines (E1203 12:00...)."""
+    err = stderr.split("Traceback")[0]
+    ours = [line for line in err.splitlines() if not re.match(r"[EWI]\d{4} ", line)]
+    return [line for line in ours if "error" in line.lower()]
 
 
 def run_script(

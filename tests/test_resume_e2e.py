@@ -197,21 +197,6 @@ def test_a_stalled_rank_ends_the_job_within_the_timeout(tmp_path):
     assert "no training step for 10 s" in proc.stderr
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 1 MiB tmpfs (skipped where this process may not mount one)."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)],
-                             capture_output=True, text=True)  # fmt: skip
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip() or 'not root'}")
-    try:
-        yield disk
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=False)
-
-
 def test_a_full_disk_stops_every_rank_with_one_message_and_resumes_exactly(reference, small_disk):
     run = small_disk / "run"
     filler = small_disk / "filler"

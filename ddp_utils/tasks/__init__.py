@@ -142,13 +142,9 @@ def check_task(
 def draw_predictions(task: Task, model: nn.Module, dataset: Any, preprocess: nn.Module,
                      rt: Runtime, classes: list[str] | None, out_dir: Path) -> None:  # fmt: skip
     """The main rank draws the task's picture of predictions (``Task.draw``) into
-    ``out_dir``; a picture, so a full disk only warns."""
+    ``out_dir``; a full disk raises as every other write does (the caller reports it)."""
     if not rt.is_main:
         return
-    try:
-        path = task.draw(model, dataset, preprocess, rt.device, classes, out_dir)
-    except OSError as e:
-        log.warning("predictions not drawn: %s", e.strerror or e)
-        return
+    path = task.draw(model, dataset, preprocess, rt.device, classes, out_dir)
     if path is not None:
         log.info("predictions drawn into %s", path)

@@ -28,6 +28,7 @@ from ddp_utils.run import (
     resolve_run_dir,
     seconds_since_process_start,
     setup_logging,
+    write_on_main,
     write_run_files,
 )
 from ddp_utils.tasks import Batch, draw_predictions
@@ -300,11 +301,8 @@ def fit(
             raise
         try:
             train_epochs(tr)
-            if rt.is_main and (run.path / "metrics.jsonl").exists():
-                draw_curves(run.path)
-                draw_predictions(tr.task, tr.raw_model, tr.data.val.dataset,
-                                 tr.data.preprocess_eval, rt, tr.data.classes,
-                                 run.path)  # fmt: skip
+            if (run.path / "metrics.jsonl").exists():
+                write_on_main(run.path, rt, lambda: draw_pictures(tr))
             tr.trackers.finish(run_files(run.path))
         except BaseException:
             tr.close(drain=False)  # a rank may be gone: do not wait on it again
@@ -322,14 +320,13 @@ def run_files(run_dir: Path) -> list[Path]:
     return [p for p in [*named, *sorted(run_dir.glob("*.png"))] if p.is_file()]
 
 
-def draw_curves(run_dir: Path) -> None:
-    """``curves.png`` once training is over: a picture, so a full disk only warns."""
+def draw_pictures(tr: Training) -> None:
+    """``curves.png`` and the task's predictions, once training is over (main rank)."""
     from ddp_utils.plot import plot_runs  # matplotlib: imported only when drawing
 
-    try:
-        plot_runs([run_dir], run_dir / "curves.png")
-    except OSError as e:
-        log.warning("curves.png not drawn: %s", e.strerror or e)
+    plot_runs([tr.run_dir], tr.run_dir / "curves.png")
+    draw_predictions(tr.task, tr.raw_model, tr.data.val.dataset, tr.data.preprocess_eval,
+                     tr.rt, tr.data.classes, tr.run_dir)  # fmt: skip
 
 
 def train_epochs(tr: Training) -> None:
