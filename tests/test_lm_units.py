@@ -73,6 +73,34 @@ def test_prepare_text_splits_off_the_last_tenth_and_refuses_empty_or_binary_inpu
     assert not (tmp_path / "out_blob.bin" / "meta.json").exists()
 
 
+@pytest.mark.parametrize("n", [25, 1115394])  # int(n * 0.9) and n - round(n * 0.1) differ
+def test_prepare_text_char_split_is_byte_identical_to_nanogpts(tmp_path, n):
+    text = ("First Citizen:\nBefore we proceed any further, hear me speak." * (n // 50 + 1))[:n]
+    (tmp_path / "input.txt").write_text(text)  # no final newline: none is added to one file
+    assert prepare_text([str(tmp_path / "out"), str(tmp_path / "input.txt")]) == 0
+    # nanoGPT's data/shakespeare_char/prepare.py, as its README describes the rule.
+    chars = sorted(set(text))
+    ids = np.array([chars.index(c) for c in text], dtype=np.uint16)
+    cut = int(n * 0.9)
+    assert (tmp_path / "out" / "train.bin").read_bytes() == ids[:cut].tobytes()
+    assert (tmp_path / "out" / "val.bin").read_bytes() == ids[cut:].tobytes()
+
+
+def test_prepare_text_refuses_to_overwrite_a_prepared_folder(tmp_path, capsys):
+    (tmp_path / "a.txt").write_text("abc\n" * 30)
+    (tmp_path / "b.txt").write_text("xyz xyz\n" * 30)
+    out = tmp_path / "out"
+    assert prepare_text([str(out), str(tmp_path / "a.txt")]) == 0
+    before = (out / "train.bin").read_bytes()
+    capsys.readouterr()
+    assert prepare_text([str(out), str(tmp_path / "b.txt")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and f"{out} already holds prepared files" in err[0]
+    assert "--overwrite" in err[0] and (out / "train.bin").read_bytes() == before
+    assert prepare_text([str(out), str(tmp_path / "b.txt"), "--overwrite"]) == 0
+    assert (out / "train.bin").read_bytes() != before
+
+
 def test_prepare_text_bpe_writes_its_tokenizer_beside_the_data(tmp_path):
     (tmp_path / "t.txt").write_text("the quick brown fox jumps over the lazy dog\n" * 200)
     assert prepare_text([str(tmp_path / "o"), str(tmp_path / "t.txt"), "--tokenizer=bpe",

@@ -54,13 +54,15 @@ def read_text(path: Path) -> str:
 
 
 def texts(files: list[Path], progress: bool, desc: str) -> Iterator[str]:
-    """Each file's text, with a progress bar over bytes; a newline closes each file."""
+    """Each file's text, with a progress bar over bytes; a newline ends each file that a
+    next one follows (one file is read as it is: nanoGPT's bytes for nanoGPT's text)."""
     total = sum(p.stat().st_size for p in files)
     with tqdm(total=total, unit="B", unit_scale=True, desc=desc, disable=not progress) as bar:
-        for path in files:
+        for i, path in enumerate(files):
             text = read_text(path)
             bar.update(path.stat().st_size)
-            yield text if text.endswith("\n") or not text else text + "\n"
+            last = i == len(files) - 1
+            yield text if last or text.endswith("\n") or not text else text + "\n"
 
 
 def learn_tokenizer(
@@ -78,6 +80,10 @@ def learn_tokenizer(
     return train_bpe(texts(files, progress, "learning bpe"), vocab_size)
 
 
+# What prepare writes: a folder that holds any of them is another preparation's.
+PREPARED = ("train.bin", "val.bin", "meta.json", "meta.pkl", "tokenizer.json")
+
+
 def prepare(
     out: Path,
     files: list[Path],
@@ -86,6 +92,7 @@ def prepare(
     val_fraction: float = 0.1,
     progress: bool = True,
     extra: dict[str, Any] | None = None,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """Write OUT's files from ``files``; returns meta.json's contents. ``extra`` goes into
     meta.json too (data=pystdlib's source description)."""
@@ -95,6 +102,10 @@ def prepare(
         raise ConfigError(f"--val_fraction={val_fraction} must lie strictly between 0 and 1.")
     if not files or sum(p.stat().st_size for p in files) == 0:
         raise ConfigError("no text to prepare: the sources are empty; give non-empty text files.")
+    taken = sorted(p.name for p in out.glob("*") if p.name in PREPARED) if out.is_dir() else []
+    if taken and not overwrite:
+        raise ConfigError(f"{out} already holds prepared files ({', '.join(taken)}): choose a "
+                          "new folder, or pass --overwrite to replace them.")  # fmt: skip
     tokenizer = learn_tokenizer(kind, files, vocab_size, progress)
     dtype = "uint16" if tokenizer.vocab_size <= 1 << 16 else "uint32"
     out.mkdir(parents=True, exist_ok=True)
@@ -104,7 +115,12 @@ def prepare(
             f.write(tokenizer.encode(text).astype(dtype).tobytes())
     tokens = np.memmap(whole, dtype=dtype, mode="r")
     n = len(tokens)
-    n_val = max(1, int(round(n * val_fraction)))
+    # nanoGPT's rule (data/*/prepare.py): training is the first int(n * 0.9) tokens.
+    n_val = n - int(n * (1.0 - val_fraction))
+    if n_val < 1 or n_val >= n:
+        whole.unlink()
+        raise ConfigError(f"--val_fraction={val_fraction} of {n} tokens leaves an empty split; "
+                          "give more text or another fraction.")  # fmt: skip
     for name, part in (("train.bin", tokens[: n - n_val]), ("val.bin", tokens[n - n_val :])):
         with open(out / name, "wb") as f:
             for i in range(0, len(part), CHUNK):
