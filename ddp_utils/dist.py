@@ -11,6 +11,8 @@ import contextlib
 import json
 import os
 import re
+import signal
+import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -231,6 +233,43 @@ def lost_peer(e: BaseException) -> str | None:
     if isinstance(e, dist.DistError) or (isinstance(e, RuntimeError) and "Timed out" in text):
         return "another rank stopped answering"
     return None
+
+
+LAUNCHER_POLL_S = 0.5
+
+
+def stop_with_launcher(env: Mapping[str, str] | None = None) -> None:
+    """Under torchrun: end this worker, and its DataLoader workers, soon after the agent dies.
+
+    The agent starts each worker in a session of its own, so the agent's death (the OOM
+    killer, ``kill -9`` of the launcher, a lost container init) reaches no worker: they would
+    train on, hold the run lock and, in a sweep, take trials nobody waits for. A thread notices
+    this process being reparented and kills its process group at once, as a lost machine would:
+    checkpoints are written atomically, so the last good one stays whole, the kernel drops the
+    run lock with the process, and a relaunch resumes from that checkpoint.
+    """
+    env = os.environ if env is None else env
+    if not env.get("TORCHELASTIC_RUN_ID"):
+        return  # a plain process may be meant to outlive its shell (nohup)
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(LAUNCHER_POLL_S)
+        with contextlib.suppress(OSError):
+            os.write(2, f"[pid {os.getpid()}] error: torchrun's agent (pid {parent}) is gone; "
+                        "stopping this worker. Relaunch the same command to resume from the "
+                        "last checkpoint.\n".encode())  # fmt: skip
+        # The agent made this worker a session (and group) leader: the group is the worker
+        # and its DataLoader workers, nothing else.
+        if os.getpgrp() == os.getpid():
+            os.killpg(os.getpid(), signal.SIGKILL)
+        os._exit(PARENT_GONE_EXIT)
+
+    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
+
+
+PARENT_GONE_EXIT = 1
 
 
 def write_error_file(message: str) -> None:

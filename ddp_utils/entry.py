@@ -23,7 +23,13 @@ from omegaconf.errors import OmegaConfBaseException
 
 from ddp_utils.config import ConfigError, register_configs
 from ddp_utils.config.options import GROUPS, not_a_key, options_of_schema
-from ddp_utils.dist import finish_together, lost_peer, read_launch_env, write_error_file
+from ddp_utils.dist import (
+    finish_together,
+    lost_peer,
+    read_launch_env,
+    stop_with_launcher,
+    write_error_file,
+)
 from ddp_utils.preemption import INTERRUPTED_EXIT, Preempted, pass_on
 from ddp_utils.run import log_to_files
 from ddp_utils.sweep import (
@@ -107,6 +113,7 @@ def user_errors(main: Callable[[], Any]) -> Callable[[], Any]:
     @functools.wraps(main)
     def wrapper() -> Any:
         os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # let its errors reach us
+        stop_with_launcher()
         printing = any(a in PRINT_FLAGS or a.startswith("--cfg=") for a in sys.argv[1:])
         if printing and read_launch_env().rank != 0:
             sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the rest of the process

@@ -158,3 +158,18 @@ class FillDisk(Callback):
 
 def fill_disk(step: int, leave: int = 0) -> str:
     return f"callbacks=[{{_target_:tests.callbacks.FillDisk,step:{step},leave:{leave}}}]"
+
+
+class Slow(Callback):
+    """Every rank sleeps ``step_s`` after each step: a run long enough to interrupt, whose
+    numbers are the same as without it."""
+
+    def __init__(self, step_s: float) -> None:
+        self.step_s = step_s
+
+    def on_step_end(self, tr) -> None:
+        time.sleep(self.step_s)
+
+
+def slow(step_s: float) -> str:
+    return f"callbacks=[{{_target_:tests.callbacks.Slow,step_s:{step_s}}}]"

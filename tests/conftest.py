@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -107,6 +108,52 @@ def our_error_lines(stderr: str) -> list[str]:
     err = stderr.split("Traceback")[0]
     ours = [line for line in err.splitlines() if not re.match(r"[EWI]\d{4} ", line)]
     return [line for line in ours if "error" in line.lower()]
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (children, their children, ...), from /proc."""
+    parent_of = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        parent_of[int(stat.parent.name)] = int(fields[1])
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {p for p, pp in parent_of.items() if pp in frontier} - found
+        found |= frontier
+    return found
+
+
+def alive(pids: set[int]) -> set[int]:
+    """Those of ``pids`` still running (a zombie is not)."""
+    running = set()
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            running.add(pid)
+    return running
+
+
+def kill_agent_alone(proc: subprocess.Popen, within_s: float = 10.0) -> set[int]:
+    """SIGKILL torchrun's agent only (not its process group, as the OOM killer would), then
+    the processes that were below it and still run ``within_s`` later (none, we expect)."""
+    below = descendants(proc.pid)
+    assert below, "the agent has no workers yet"
+    proc.kill()
+    proc.wait(timeout=30)  # the agent alone: its orphans would hold its pipes open
+    deadline = time.time() + within_s
+    while (left := alive(below)) and time.time() < deadline:
+        time.sleep(0.2)
+    for pid in left:  # not to leave them to the next test
+        with contextlib.suppress(OSError):
+            os.kill(pid, 9)
+    proc.communicate(timeout=30)
+    return left
 
 
 def run_script(

@@ -12,11 +12,12 @@ import time
 
 import pytest
 import torch
-from callbacks import both, fault, recorder
+from callbacks import both, fault, recorder, slow
 from conftest import (
     ROOT,
     assert_same_params,
     child_env,
+    kill_agent_alone,
     params,
     read_metrics,
     recorded_samples,
@@ -240,3 +241,20 @@ def test_a_stalled_validation_loader_ends_the_job_within_the_timeout(tmp_path):
             if "error" in line and not re.match(r"[EWI]\d{4} ", line)]  # fmt: skip
     assert len(ours) == 1 and stalled in ours[0] and "validation loader" in ours[0], ours
     assert f"traceback : {ours[0]}" in proc.stderr  # torchrun's root cause
+
+
+def test_workers_and_their_loader_workers_stop_when_the_agent_alone_is_killed(tmp_path):
+    """``kill -9`` of torchrun's agent (not its group: the OOM killer's way): within 10 s no
+    process of the run is left, the lock is free, and the relaunch resumes exactly."""
+    args = (*RUN, "data.loader=torch", "data.num_workers=1", "trainer.precision=32")
+    reference = tmp_path / "reference"
+    run_script("train.py", *args, f"run_dir={reference}", nproc=2)
+    run = tmp_path / "run"
+    # 0.1 s a step: 12 s of training are left when the agent dies.
+    proc = start_script("train.py", *args, slow(0.1), f"run_dir={run}", nproc=2)
+    wait_for_step_checkpoint(run, proc, after=20)
+    assert kill_agent_alone(proc) == set()
+    log = (run / "train.log").read_text()
+    proc = run_script("train.py", *args, f"run_dir={run}", nproc=2)  # no "in use by" refusal
+    assert "resumed from" in (run / "train.log").read_text()[len(log) :]
+    assert_same_params(params(run), params(reference))
