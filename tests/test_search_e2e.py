@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import csv
 import json
+import time
 
 import pytest
-from conftest import read_metrics, run_script
+from callbacks import slow
+from conftest import kill_agent_alone, read_metrics, run_script, start_script
 
 optuna = pytest.importorskip("optuna")
 
@@ -94,3 +96,38 @@ def test_a_sqlite_study_killed_mid_trial_continues_without_rerunning(tmp_path):
     assert stored.trials[2].params == stored.trials[1].params  # the retry, from the start
     assert (sweep / "0" / "metrics.jsonl").read_text() == first  # trial 0 was not rerun
     assert {r["trial"] for r in rows(sweep)} >= {"0", "2", "3"}
+
+
+def test_a_sweep_whose_agent_alone_is_killed_stops_and_its_relaunch_finishes_n_trials(tmp_path):
+    """The agent's SIGKILL ends both ranks within 10 s (they take no further trial); the trial
+    they were on is not counted, and the same command then runs until 3 trials really
+    finished."""
+    sweep, db = tmp_path / "sweep", tmp_path / "optuna.db"
+    command = (*SEARCH, "hydra.sweeper.n_trials=3", "trainer.epochs=1", "data.val_fraction=0.5",
+               f"hydra.sweeper.storage=sqlite:///{db}", f"hydra.sweep.dir={sweep}",
+               slow(0.2))  # fmt: skip
+    proc = start_script("train.py", *command, nproc=2)
+    deadline = time.time() + 240
+    while not (sweep / "1" / "train.log").is_file() and time.time() < deadline:
+        time.sleep(0.1)
+    time.sleep(1.0)  # trial 1 is training
+    assert kill_agent_alone(proc) == set()
+    run_script("train.py", *command, nproc=2, timeout=400)
+    stored = optuna.load_study(study_name="digits_optuna", storage=f"sqlite:///{db}")
+    states = [(t.state.name, t.user_attrs.get("interrupted")) for t in stored.trials]
+    assert [s for s in states if s[0] == "COMPLETE"] == [("COMPLETE", None)] * 3, states
+    assert all(s == ("FAIL", True) for s in states if s[0] != "COMPLETE"), states
+
+
+def test_a_continued_seeded_study_draws_new_parameters(tmp_path):
+    db = tmp_path / "optuna.db"
+    command = (*SEARCH, "trainer.epochs=1", "data.val_fraction=0.5",
+               f"hydra.sweeper.storage=sqlite:///{db}")  # fmt: skip
+    run_script("train.py", *command, "hydra.sweeper.n_trials=2",
+               f"hydra.sweep.dir={tmp_path / 'first'}", timeout=300)  # fmt: skip
+    run_script("train.py", *command, "hydra.sweeper.n_trials=4",
+               f"hydra.sweep.dir={tmp_path / 'second'}", timeout=300)  # fmt: skip
+    stored = optuna.load_study(study_name="digits_optuna", storage=f"sqlite:///{db}")
+    assert [t.state.name for t in stored.trials] == ["COMPLETE"] * 4
+    drawn = [tuple(sorted(t.params.items())) for t in stored.trials]
+    assert len(set(drawn)) == 4, drawn

@@ -7,6 +7,8 @@ are those of the official ``hydra-optuna-sweeper`` (``params`` with ``interval(.
 ``study_name``, ``n_trials``, ``n_jobs``, ``custom_search_space``), on current Optuna's
 ask-and-tell API.
 
+A seeded sampler (``sampler.seed``) of a continued study is seeded with ``seed`` plus the
+number of trials the study already holds, so a relaunch draws new parameters.
 A study in a database (``storage=sqlite:///PATH``) survives the sweep: the same command
 continues it. The trials a killed sweep left RUNNING are marked FAIL (``interrupted``) and
 their parameters are asked again first, so a retry runs from the start with the same
@@ -158,8 +160,9 @@ class Search:
         if self.n_trials < 1:
             raise ConfigError(f"hydra.sweeper.n_trials={self.n_trials}: needs at least 1.")
         optuna.logging.set_verbosity(optuna.logging.WARNING)
+        sampler_spec = sweeper.get("sampler")
         try:
-            sampler, pruner = built(sweeper.get("sampler")), built(sweeper.get("pruner"))
+            sampler, pruner = built(sampler_spec), built(sweeper.get("pruner"))
         except Exception as e:
             raise ConfigError(f"hydra.sweeper.sampler / pruner could not be built "
                               f"({type(e).__name__}: {str(e)[:300]}).") from None  # fmt: skip
@@ -186,6 +189,20 @@ class Search:
                 "hydra.sweeper.study_name=NEW for a new study (or the direction it has)."
             )
         self.retries = self._fail_interrupted()
+        self._advance_seed(sampler_spec)
+
+    def _advance_seed(self, spec: Any) -> None:
+        """A continued study's seeded sampler starts at ``seed + trials so far``: restarted
+        at ``seed`` it would draw the first launch's parameters again, retraining what the
+        study already has. The same study and command still draw the same trials."""
+        so_far = len(self.study.get_trials(deepcopy=False))
+        if not so_far or not isinstance(spec, Mapping) and not OmegaConf.is_config(spec):
+            return
+        if spec.get("seed") is None:
+            return
+        advanced = OmegaConf.to_container(OmegaConf.create(dict(spec))) | {
+            "seed": int(spec["seed"]) + so_far}  # fmt: skip
+        self.study.sampler = built(advanced)
 
     @property
     def name(self) -> str:

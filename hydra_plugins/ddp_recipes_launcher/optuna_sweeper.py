@@ -29,6 +29,9 @@ from omegaconf import DictConfig
 @dataclass
 class OptunaSweeperConf:
     _target_: str = "hydra_plugins.ddp_recipes_launcher.optuna_sweeper.OptunaSweeper"
+    # The sampler and pruner arrive as specs, built by the search: a continued study's seeded
+    # sampler is built with its seed advanced past the trials the study holds.
+    _recursive_: bool = False
     sampler: Any = None  # {_target_: optuna.samplers.TPESampler, seed: 0}; null: TPE, unseeded
     direction: Any = None  # minimize | maximize; null: from task.monitor_mode
     storage: Any = None  # null (in memory) | sqlite:///PATH (or any RDB URL): resumable
