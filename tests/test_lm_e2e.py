@@ -4,6 +4,7 @@ world sizes 1, 2 and 3, an exact resume after a SIGKILL, deterministic generatio
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 from callbacks import fault
@@ -81,3 +82,22 @@ def test_generation_is_deterministic_for_a_seed_and_refuses_bad_input(reference,
         proc = run_forked("generate.py", *args, bad)
         errors = [line for line in proc.stderr.splitlines() if line.strip()]
         assert proc.returncode == 2 and len(errors) == 1 and said in errors[0], proc.stderr
+
+
+@pytest.mark.parametrize(
+    "block, split, said",
+    [(200000, "train", "too few for one training window of data.block_size=200000"),
+     (500, "val", "data.block_size=500 is larger than the val file")],
+)  # fmt: skip
+def test_a_block_size_longer_than_a_file_stops_in_seconds_naming_it(tmp_path, block, split,
+                                                                    said):  # fmt: skip
+    tokens = write_token_folder(tmp_path / "tokens", 2000, 400)
+    run = tmp_path / "run"
+    start = time.monotonic()
+    proc = run_forked("train.py", *RUN, f"data.root={tokens}", f"data.block_size={block}",
+                      "model.n_layer=4", "model.n_embd=128", f"run_dir={run}")  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert time.monotonic() - start < 30
+    length = 2000 if split == "train" else 400
+    assert said in proc.stderr and f"{tokens / split}.bin has {length} tokens" in proc.stderr
+    assert not run.exists()

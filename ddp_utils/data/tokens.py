@@ -122,7 +122,14 @@ def resolve_tokens(cfg: TokenData, rt: Runtime) -> TokenData:
             if rt.is_local_main:
                 prepare_pystdlib(cfg)
     meta = read_meta(cfg)
-    return replace(cfg, vocab_size=meta.vocab_size, dtype=meta.dtype, num_classes=meta.vocab_size)
+    resolved = replace(
+        cfg, vocab_size=meta.vocab_size, dtype=meta.dtype, num_classes=meta.vocab_size
+    )
+    # The files' lengths against data.block_size now, before any model is built or probed
+    # and before run_dir exists: a mistake there stops in seconds and leaves nothing.
+    train_windows(resolved, seed=0)
+    eval_windows(resolved, "val")
+    return resolved
 
 
 class TokenFile:
