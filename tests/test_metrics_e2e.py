@@ -122,6 +122,12 @@ BAD_TASKS = {
     "mixup": ([*TASK, "data.mixup_alpha=0.2"],
               "data.mixup_alpha only apply to task=classification (this is task=custom)"),
     "argument": ([*TASK, "+task.depth=3"], "custom_tasks.DigitValue rejected its arguments"),
+    "per-sample loss": (["task=custom", "task._target_=custom_tasks.PerSampleLoss"],
+                        "PerSampleLoss.train_loss returned a tensor of shape (2,) as its loss"),
+    "no count": (["task=custom", "task._target_=custom_tasks.NoCount"],
+                 "NoCount.train_loss returned a tensor of shape (), not a pair"),
+    "mean for sum": (["task=custom", "task._target_=custom_tasks.MeanLoss"],
+                     "MeanLoss.train_loss's loss stayed"),
 }  # fmt: skip
 
 

@@ -7,6 +7,7 @@ metrics; ``task=custom task._target_=pkg.module.MyTask +task.NAME=VALUE`` builds
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -125,7 +126,9 @@ def check_task(
     batch = Batch(inputs, target, True)
     try:
         with eval_mode(model):
-            task.eval_step(checked, batch, _NamedUpdates(metrics))
+            returned = task.eval_step(checked, batch, _NamedUpdates(metrics))
+            loss_and_count(task, "eval_step", returned)
+            check_sums(task, model, batch, metrics)
     except ConfigError:
         raise
     except Exception as e:
@@ -137,6 +140,65 @@ def check_task(
         raise error from None
     finally:
         metrics.reset()
+
+
+CONTRACT = ("return (the loss summed over the batch's real rows, their count): two tensors, "
+            "the loop divides one by the other (the README's custom task)")  # fmt: skip
+
+
+def shown(x: Any) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"a tensor of shape {tuple(x.shape)}"
+    if isinstance(x, (tuple, list)):
+        return f"a {type(x).__name__} of {len(x)}: ({', '.join(shown(v) for v in x)})"
+    return "None" if x is None else f"{type(x).__name__} {str(x)[:40]}"
+
+
+def loss_and_count(task: Task, method: str, returned: Any) -> tuple[float, float]:
+    """A ``train_loss`` / ``eval_step`` return as numbers, or ConfigError naming the method and
+    what it returned."""
+    name = f"{type(task).__name__}.{method}"
+    if not (isinstance(returned, (tuple, list)) and len(returned) == 2):
+        raise ConfigError(f"{name} returned {shown(returned)}, not a pair; {CONTRACT}.")
+    loss, count = returned
+    if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.is_floating_point()):
+        raise ConfigError(f"{name} returned {shown(loss)} as its loss, not one number (a "
+                          f"value per sample? sum it); {CONTRACT}.")  # fmt: skip
+    if not (isinstance(count, torch.Tensor) and count.numel() == 1):
+        raise ConfigError(f"{name} returned {shown(count)} as its count, not one number "
+                          f"(batch.count() gives it); {CONTRACT}.")  # fmt: skip
+    return float(loss), float(count)
+
+
+def doubled(batch: Batch) -> Batch | None:
+    """The batch with each row twice (None where its parts are not plain tensors)."""
+    if not (isinstance(batch.inputs, torch.Tensor) and isinstance(batch.target, torch.Tensor)):
+        return None
+    return Batch(torch.cat([batch.inputs] * 2), torch.cat([batch.target] * 2), batch.all_real)
+
+
+def check_sums(task: Task, model: nn.Module, batch: Batch, metrics: Any) -> None:
+    """Both methods on the blank batch and on it doubled (every row the same, in eval mode):
+    a sum and a count double, a mean stays put, the mistake that would train on a wrongly
+    weighted loss and average the metric wrongly without any error."""
+    twice = doubled(batch)
+    calls = {"train_loss": lambda b: task.train_loss(model, b),
+             "eval_step": lambda b: task.eval_step(model, b, metrics)}  # fmt: skip
+    for method, call in calls.items():
+        loss, count = loss_and_count(task, method, call(batch))
+        if twice is None:
+            continue
+        loss2, count2 = loss_and_count(task, method, call(twice))
+        name = f"{type(task).__name__}.{method}"
+        if count2 != 2 * count:
+            raise ConfigError(f"{name}'s count went from {count:g} to {count2:g} when the batch "
+                              f"doubled, not to {2 * count:g}: {CONTRACT}.")  # fmt: skip
+        if loss != 0 and not math.isclose(loss2, 2 * loss, rel_tol=1e-3):
+            raise ConfigError(
+                f"{name}'s loss stayed {loss:.4g} -> {loss2:.4g} when the batch of identical "
+                f"rows doubled (a sum doubles): it returns a mean. {CONTRACT[0].upper()}"
+                f"{CONTRACT[1:]}, so means are exact over ranks and accumulation steps."
+            )
 
 
 def draw_predictions(task: Task, model: nn.Module, dataset: Any, preprocess: nn.Module,
