@@ -30,7 +30,13 @@ from ddp_utils.dist import (
     stop_with_launcher,
     write_error_file,
 )
-from ddp_utils.preemption import INTERRUPTED_EXIT, Preempted, pass_on
+from ddp_utils.preemption import (
+    INTERRUPTED_EXIT,
+    Preempted,
+    StoppedEarly,
+    pass_on,
+    stop_signals_act_at_once,
+)
 from ddp_utils.run import log_to_files
 from ddp_utils.sweep import (
     in_sweep,
@@ -82,10 +88,14 @@ def clean_exit() -> Iterator[None]:
     global _job_started
     _job_started = True
     try:
-        yield
+        with stop_signals_act_at_once():
+            yield
     except Preempted as stop:
         pass_on(stop.signum)  # submitit's handler requeues the job here
         sys.exit(stop.exit_code)  # the trainer logged the stop; relaunching resumes
+    except StoppedEarly as stop:
+        pass_on(stop.signum)
+        report(f"{stop}; relaunch the same command to start again", stop.exit_code)
     except ConfigError as e:
         if in_sweep():
             raise  # Hydra records this job as failed and the sweep goes on to the next one

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+from collections.abc import Iterator
 from datetime import timedelta
 from types import FrameType
 
@@ -30,6 +32,46 @@ class Preempted(Exception):
         return INTERRUPTED_EXIT if self.signum == signal.SIGINT else PREEMPTED_EXIT
 
 
+class StoppedEarly(BaseException):
+    """A stop signal before the first training step: nothing to save, so it acts at once,
+    raised from the handler itself, which also breaks a call that blocks (a tracker's server
+    that never answers, a data check, a model probe). A BaseException, as KeyboardInterrupt:
+    the ``except Exception`` around a library call must not take it for that call's error."""
+
+    def __init__(self, signum: int) -> None:
+        name = signal.Signals(signum).name
+        super().__init__(f"stopped by {name} before the first training step; nothing was saved")
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        return INTERRUPTED_EXIT if self.signum == signal.SIGINT else PREEMPTED_EXIT
+
+
+_owner = os.getpid()  # the process whose handlers these are
+
+
+def _stop_now(signum: int, frame: FrameType | None) -> None:
+    # A forked DataLoader worker inherits the handler: its parent ends it, quietly.
+    if os.getpid() == _owner:
+        raise StoppedEarly(signum)
+
+
+@contextlib.contextmanager
+def stop_signals_act_at_once() -> Iterator[None]:
+    """Around a job: until the training loop takes the stop signals over (``StopRequest``),
+    each one raises ``StoppedEarly`` where the process is. The handlers before are restored
+    after, so ``pass_on`` still reaches submitit's."""
+    global _owner
+    _owner = os.getpid()
+    previous = {s: signal.signal(s, _stop_now) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
 class StopRequest:
     """Catches the stop signals and makes every rank agree on the step to stop at.
 
@@ -44,13 +86,22 @@ class StopRequest:
     def __init__(self, timeout: timedelta) -> None:
         self.signum = 0
         self.diverged = False
+        self.training = False  # until ``begin``: a signal stops at once (StoppedEarly)
         self._previous = {s: signal.signal(s, self._handle) for s in STOP_SIGNALS}
         self._distributed = dist.is_initialized() and dist.get_world_size() > 1
         self._group = dist.new_group(backend="gloo", timeout=timeout) if self._distributed else None
         self._flag = torch.zeros(2, dtype=torch.int32)
         self._pending: dist.Work | None = None
 
+    def begin(self) -> None:
+        """The training loop starts: from now on a signal is a checkpointed stop at the next
+        step boundary, agreed by every rank."""
+        self.training = True
+
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if not self.training:
+            _stop_now(signum, frame)
+            return
         if signum == signal.SIGINT and self.signum == signal.SIGINT:
             # A second Ctrl-C: the user does not want to wait for the checkpoint.
             os.write(2, b"second Ctrl-C: stopping now, without a checkpoint\n")

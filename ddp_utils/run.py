@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 from ddp_utils.config import ConfigError
 from ddp_utils.dist import Runtime, barrier, broadcast_object, read_launch_env
 from ddp_utils.files import UnwritableError, atomic_write_text, writing_into
-from ddp_utils.lock import LOCK_NAME, RunLock
+from ddp_utils.lock import RunLock
 
 LOGGER_NAME = "ddp_recipes"
 log = logging.getLogger(LOGGER_NAME)
@@ -85,21 +85,12 @@ def resolve_run_dir(run_dir: str | None, rt: Runtime) -> RunDir:
     return RunDir(path, created, lock)
 
 
-# What a run writes before it trains: removed again when it fails that early.
-EARLY_FILES = ("train.log", "config.yaml", "env.json", "classes.json", LOCK_NAME)
-
-
 def remove_if_unused(run: RunDir, rt: Runtime) -> None:
-    """After a failure before training: remove the folder this job created, if it holds only
-    the files written so far (never anything else, and never a folder that existed)."""
-    if not (rt.is_main and run.created):
-        return
-    for name in EARLY_FILES:
-        (run.path / name).unlink(missing_ok=True)
-    for extra in run.path.glob("train.rank*.log"):
-        extra.unlink()
-    with contextlib.suppress(OSError):
-        run.path.rmdir()  # fails, keeping it, if anything else is inside
+    """After a failure before the first training step: remove the folder, if this job
+    created it (the config, logs, lock and trackers' files written so far are all it holds);
+    a folder that existed before is left as it was."""
+    if rt.is_main and run.created:
+        shutil.rmtree(run.path, ignore_errors=True)
 
 
 def write_on_main(run_dir: Path, rt: Runtime, write: Callable[[], Any]) -> None:

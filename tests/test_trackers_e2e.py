@@ -5,10 +5,15 @@ from __future__ import annotations
 
 import csv
 import json
+import signal
+import socket
+import time
 
 import pytest
 from callbacks import fault
-from conftest import read_metrics, run_script
+from conftest import our_error_lines, read_metrics, run_script, start_script
+
+from ddp_utils.preemption import PREEMPTED_EXIT
 
 mlflow = pytest.importorskip("mlflow")
 pytest.importorskip("wandb")
@@ -76,3 +81,61 @@ def test_a_tracker_that_cannot_start_stops_before_training_and_one_that_fails_la
     assert len(read_metrics(run)) == 3
     assert len(list(csv.DictReader((run / "metrics.csv").open()))) == 3
     assert json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["epoch"] == 2
+
+
+@pytest.fixture
+def silent_server():
+    """A listener on 127.0.0.1 that takes connections (the kernel's backlog completes them)
+    and never answers; its URI."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(64)
+        yield f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def closed_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}"  # nothing listens there now: connections are refused
+
+
+@pytest.mark.parametrize("server", ["refuses", "never answers"])
+def test_an_unreachable_tracking_server_stops_the_run_within_30_s_leaving_nothing(
+    server, silent_server, tmp_path
+):
+    uri = closed_port() if server == "refuses" else silent_server
+    run = tmp_path / "run"
+    start = time.monotonic()
+    proc = run_script("train.py", "logger=[tensorboard,csv,mlflow]",
+                      f"logger_cfg.mlflow.tracking_uri={uri}",
+                      f"run_dir={run}", "logger_cfg.mlflow.timeout_s=4", nproc=2,
+                      check=False, timeout=120)  # fmt: skip
+    took = time.monotonic() - start
+    assert proc.returncode != 0 and "exitcode: 2" in proc.stderr, proc.stderr[-3000:]
+    assert took < 30 + 15, took  # the tries, plus two processes' start-up
+    ours = our_error_lines(proc.stderr)
+    assert len(ours) == 1, proc.stderr[-3000:]
+    assert f"logger_cfg.mlflow.tracking_uri={uri} did not answer" in ours[0]
+    assert "leave mlflow out of logger" in ours[0]
+    assert not run.exists(), list(run.rglob("*"))
+
+
+def test_sigterm_while_a_tracker_blocks_stops_at_once_with_one_line(silent_server, tmp_path):
+    run = tmp_path / "run"
+    proc = start_script("train.py", "logger=mlflow",
+                        f"logger_cfg.mlflow.tracking_uri={silent_server}",
+                        "logger_cfg.mlflow.timeout_s=60", f"run_dir={run}")  # fmt: skip
+    deadline = time.time() + 60
+    while not (run / "config.yaml").exists() and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(1.0)  # in the tracker's first request
+    proc.send_signal(signal.SIGTERM)
+    stopped = time.time()
+    out, err = proc.communicate(timeout=60)
+    assert time.time() - stopped < 10
+    assert proc.returncode == PREEMPTED_EXIT, err[-3000:]
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines == ["error: stopped by SIGTERM before the first training step; nothing was "
+                     "saved; relaunch the same command to start again"], err[-3000:]  # fmt: skip
+    assert not run.exists()

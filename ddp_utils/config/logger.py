@@ -27,6 +27,10 @@ class MlflowLogger:
     tracking_uri: str | None = None
     experiment_name: str = "ddp-recipes"
     run_name: str | None = None  # null: the run_dir's name
+    # A server's every request: answered within timeout_s, tried retries + 1 times (MLflow's
+    # own defaults, 120 s and 7 retries, keep a run waiting for many minutes on a dead server)
+    timeout_s: int = 8
+    retries: int = 1
 
 
 @dataclass

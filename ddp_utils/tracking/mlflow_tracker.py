@@ -8,10 +8,12 @@ land in one database; ``mlflow ui --backend-store-uri sqlite:///PATH/mlruns.db``
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
 
+from ddp_utils.config import ConfigError
 from ddp_utils.tracking.base import TrackedRun, Tracker, flat_config
 
 BATCH = 100  # MLflow's log_batch takes at most 100 params (and 1000 metrics) per call
@@ -21,19 +23,41 @@ class MlflowTracker(Tracker):
     name = "mlflow"
 
     def __init__(self, tracking_uri: str | None = None, experiment_name: str = "ddp-recipes",
-                 run_name: str | None = None) -> None:  # fmt: skip
+                 run_name: str | None = None, timeout_s: int = 8,
+                 retries: int = 1) -> None:  # fmt: skip
         self.uri, self.experiment, self.run_name = tracking_uri, experiment_name, run_name
+        self.timeout_s, self.retries = timeout_s, retries
         self.client, self.run_id = None, None
 
     def connect(self, run_dir: Path) -> Path:
         """The client of ``tracking_uri`` (default: the database beside ``run_dir``)."""
         from mlflow.tracking import MlflowClient
 
+        # MLflow reads these at each request; set in this process, whose only client this is.
+        os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] = str(self.timeout_s)
+        os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = str(self.retries)
+        os.environ["MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR"] = "1"
+        os.environ["MLFLOW_HTTP_REQUEST_BACKOFF_JITTER"] = "0"
         beside = run_dir.resolve().parent
         self.client = MlflowClient(tracking_uri=self.uri or f"sqlite:///{beside / 'mlruns.db'}")
         return beside
 
     def start(self, run: TrackedRun) -> int | None:
+        try:
+            return self._start(run)
+        except Exception as e:
+            if not (self.uri or "").startswith(("http://", "https://")):
+                raise  # a database or folder: the generic message says what it raised
+            reason = " ".join(str(e).split())[:200]
+            raise ConfigError(
+                f"logger=mlflow: the tracking server logger_cfg.mlflow.tracking_uri={self.uri} "
+                f"did not answer ({type(e).__name__}: {reason}; {self.retries + 1} tries of "
+                f"logger_cfg.mlflow.timeout_s={self.timeout_s} s each). Start the server "
+                "(mlflow server --host HOST --port PORT), correct the URI, or leave mlflow out "
+                "of logger."
+            ) from None
+
+    def _start(self, run: TrackedRun) -> int | None:
         beside = self.connect(run.run_dir)
         resumed = (run.resumed_state(self.name) or {}).get("run_id")
         if resumed:

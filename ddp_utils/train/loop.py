@@ -292,22 +292,24 @@ def fit(
     cfg = resolve_auto(cfg, rt)
     cfg = dataclasses.replace(cfg, data=resolve_data(cfg.data, rt))
     run = resolve_run_dir(cfg.run_dir or default_run_dir, rt)
+    tr: Training | None = None
     try:
         try:
             setup_logging(run.path, rt, "train")
             tr = build_training(cfg, rt, run.path, callbacks)
+            try:
+                train_epochs(tr)
+                if (run.path / "metrics.jsonl").exists():
+                    write_on_main(run.path, rt, lambda: draw_pictures(tr))
+                tr.trackers.finish(run_files(run.path))
+            except BaseException:
+                tr.close(drain=False)  # a rank may be gone: do not wait on it again
+                raise
+            tr.close()
         except BaseException:
-            remove_if_unused(run, rt)  # a failure before training leaves no empty run_dir
+            if tr is None or tr.step < tr.first_step:  # no step taken: nothing to keep
+                remove_if_unused(run, rt)
             raise
-        try:
-            train_epochs(tr)
-            if (run.path / "metrics.jsonl").exists():
-                write_on_main(run.path, rt, lambda: draw_pictures(tr))
-            tr.trackers.finish(run_files(run.path))
-        except BaseException:
-            tr.close(drain=False)  # a rank may be gone: do not wait on it again
-            raise
-        tr.close()
     finally:
         if run.lock is not None:
             run.lock.release()
@@ -349,6 +351,7 @@ def train_epochs(tr: Training) -> None:
     if finished(tr):
         log.info("nothing to train: the run already did %d epochs, %d steps", tr.epoch, tr.step)
     tr.callbacks.on_train_start(tr)
+    tr.stop.begin()
     tr.interval_start, tr.interval_samples = time.perf_counter(), tr.samples_seen
     while not finished(tr):
         stats = train_one_epoch(tr)
