@@ -105,3 +105,33 @@ def test_read_only_data_root_caches_elsewhere(tmp_path):
         assert not str(cache_path(cfg.root, "mnist-train.pt")).startswith(str(tmp_path))
     finally:
         tmp_path.chmod(0o755)
+
+
+@pytest.mark.parametrize("n, world_size, batch", [(23, 2, 5), (1438, 3, 10), (7, 2, 4)])
+def test_drop_last_ends_every_ranks_epoch_at_a_whole_batch_and_resumes_to_the_same(
+    n, world_size, batch
+):
+    def shards(start: int = 0) -> list[list[int]]:
+        out = []
+        for rank in range(world_size):
+            s = ResumableDistributedSampler(n, world_size, rank, seed=3, drop_last_of=batch)
+            s.set_epoch(2, start)
+            out.append(list(s))
+        return out
+
+    whole = shards()
+    kept = n // (world_size * batch) * world_size * batch
+    if kept == 0:  # less than one global batch: kept, padded, as without drop_last
+        assert sum(len(s) for s in whole) >= n
+        return
+    assert all(len(s) == kept // world_size for s in whole)
+    assert all(len(s) % batch == 0 for s in whole)  # full batches only: no batch of one
+    seen = [i for s in whole for i in s]
+    assert len(set(seen)) == len(seen) == kept and min(seen) >= 0  # no padding needed
+    sampler = ResumableDistributedSampler(n, world_size, 0, seed=3, drop_last_of=batch)
+    batches = len(sampler) // batch
+    assert sampler.consumed(batches, batch) == n  # the epoch is over: dropped ones passed
+    # A resume after one global batch continues with exactly the rest of the same epoch.
+    middle = sampler.consumed(1, batch)
+    rest = shards(middle)
+    assert sorted(i for s in rest for i in s) == sorted(i for s in whole for i in s[batch:])

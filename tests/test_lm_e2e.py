@@ -19,7 +19,8 @@ from conftest import (
 from lm_data import write_token_folder
 
 VAL_WINDOWS = 121  # 16-token windows: 121 = 11 x 11, which neither 2 nor 3 divides
-# 2000 training tokens: 124 windows of 16, 16 steps an epoch at 2 x 4; 30 steps span 2 epochs.
+# 2000 training tokens: 124 windows of 16, 15 whole steps an epoch at 2 x 4 (4 windows left
+# out); 30 steps span 2 epochs.
 RUN = ("experiment=lm_char", "data=tokens", "data.block_size=16", "data.batch_size=4",
        "data.eval_batch_size=8", "model.n_layer=1", "model.n_head=2", "model.n_embd=32",
        "trainer.max_steps=30", "trainer.val_every_steps=10", "trainer.ckpt_every_steps=5",
@@ -41,8 +42,8 @@ def reference(tokens, tmp_path_factory):
 def test_a_step_based_run_validates_every_n_steps_across_epochs(reference):
     records = read_metrics(reference)
     assert [r["step"] for r in records] == [10, 20, 30]
-    assert [r["epoch"] for r in records] == [0, 1, 1]  # the epoch rolled over at step 16
-    assert [r["tokens"] for r in records] == [10 * 8 * 16, 20 * 8 * 16 - 4 * 16, 30 * 8 * 16 - 64]
+    assert [r["epoch"] for r in records] == [0, 1, 1]  # the epoch rolled over at step 15
+    assert [r["tokens"] for r in records] == [10 * 8 * 16, 20 * 8 * 16, 30 * 8 * 16]
     for r in records:
         assert r["val/num_samples"] == VAL_WINDOWS and r["tokens_per_s"] > 0
         assert math.isclose(r["val/perplexity"], math.exp(r["val/loss"]), rel_tol=1e-5)

@@ -171,7 +171,8 @@ def test_data_mistakes_name_the_file_and_the_fix(tmp_path, case):
         cfg = resolve_tokens(TokenData(root=str(root), **kw), RT)
         train_windows(cfg, 0), eval_windows(cfg, "val")
     if case == "no_meta":  # with the vocabulary given, a nanoGPT folder works
-        assert resolve_tokens(TokenData(root=str(root), vocab_size=30), RT).num_classes == 30
+        cfg = TokenData(root=str(root), vocab_size=30, block_size=16)
+        assert resolve_tokens(cfg, RT).num_classes == 30
 
 
 def test_an_id_past_the_sampled_part_is_named_when_its_window_is_read(tmp_path):

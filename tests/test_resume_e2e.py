@@ -32,7 +32,8 @@ from ddp_utils.preemption import PREEMPTED_EXIT
 
 DDP_RUN = [sys.executable, "-m", "ddp_utils.launch"]
 
-# Small batches give enough steps (72 per epoch at 2 processes) to interrupt mid-epoch.
+# Small batches give enough steps (71 per epoch at 2 processes: 1,438 samples, the last 18
+# dropped for whole batches) to interrupt mid-epoch.
 RUN = ("trainer.epochs=2", "data.batch_size=10", "trainer.ckpt_every_steps=10")
 
 
@@ -47,7 +48,7 @@ def reference(tmp_path_factory):
 def test_sigkill_mid_epoch_then_elastic_restart_matches_uninterrupted(reference, tmp_path):
     proc = run_script(
         "train.py", *RUN, f"run_dir={tmp_path}", fault("kill", 97, 1),  # newest ckpt: 90
-        nproc=2, launcher=("--max-restarts=1",),  # the kill: epoch 1, step 25 of 72
+        nproc=2, launcher=("--max-restarts=1",),  # the kill: epoch 1, step 26 of 71
     )  # fmt: skip
     # The worker really died and torchrun restarted the group: two starts, the second resumed.
     # (Which exit code torchrun reports first, the killed rank's -9 or its peer's, is a race.)
@@ -56,7 +57,7 @@ def test_sigkill_mid_epoch_then_elastic_restart_matches_uninterrupted(reference,
     assert log.count("| world size 2 |") == 2
     assert "resumed from" in log and "step 90" in log
     assert_same_params(params(tmp_path), params(reference))
-    assert [r["step"] for r in read_metrics(tmp_path)] == [72, 144]
+    assert [r["step"] for r in read_metrics(tmp_path)] == [71, 142]
 
 
 def _stop_step(out: str, signame: str) -> int:
@@ -79,7 +80,7 @@ def test_sigterm_then_ctrl_c_each_checkpoint_the_stop_step_and_the_run_resumes_e
     assert f"exiting with code {PREEMPTED_EXIT}" in log, out + err
     first_stop = _stop_step(log, "SIGTERM")
     ckpt = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)
-    assert ckpt["step"] == first_stop < 144
+    assert ckpt["step"] == first_stop < 142
 
     proc = subprocess.Popen(
         [*DDP_RUN, "--standalone", "--nproc_per_node=2", str(ROOT / "train.py"), *args],
@@ -94,7 +95,7 @@ def test_sigterm_then_ctrl_c_each_checkpoint_the_stop_step_and_the_run_resumes_e
     assert "resumed from" in out and out.count("stopped by SIGINT at step") == 1, out
     second_stop = _stop_step(out, "SIGINT")
     ckpt = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)
-    assert first_stop < ckpt["step"] == second_stop < 144
+    assert first_stop < ckpt["step"] == second_stop < 142
 
     run_script("train.py", *args, nproc=2)
     assert_same_params(params(tmp_path), params(reference))
@@ -130,23 +131,26 @@ def test_torn_newest_checkpoint_resumes_from_the_previous_one(reference, tmp_pat
     run = tmp_path / "run"
     shutil.copytree(reference, run)
     steps = sorted((run / "checkpoints").glob("step_*.pt"))
-    assert [p.name for p in steps] == ["step_00000140.pt", "step_00000144.pt"]
+    assert [p.name for p in steps] == ["step_00000140.pt", "step_00000142.pt"]
     newest = steps[-1]
     newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # last.pt shares it
     proc = run_script("train.py", *RUN, "trainer.epochs=3", f"run_dir={run}")
     assert "skipping a checkpoint that does not load" in proc.stdout + proc.stderr
     assert "resumed from" in proc.stdout and "step_00000140.pt" in proc.stdout
-    # From step 140 (1,360 samples into epoch 1) at world size 1, batch 10: the 78 left take
-    # 8 steps, then epoch 2 takes 144.
-    assert [r["step"] for r in read_metrics(run)] == [72, 148, 292]
+    # From step 140 (1,380 samples into epoch 1) at world size 1, batch 10: the 58 left take
+    # 5 whole steps, then epoch 2 takes 143.
+    assert [r["step"] for r in read_metrics(run)] == [71, 145, 288]
 
 
 @pytest.mark.parametrize("new_world_size", [3])  # 2 -> 1: tests/test_imagefolder_e2e.py
 def test_resume_at_another_world_size_sees_each_sample_once(tmp_path_factory, new_world_size):
+    """With data.drop_last=false every sample counts exactly once an epoch, whatever the
+    world sizes before and after the resume."""
+    every = (*RUN, "data.drop_last=false")
     base = tmp_path_factory.getbasetemp() / "reshard_base"
     if not base.exists():  # one interrupted run serves both parametrisations
         proc = run_script(
-            "train.py", *RUN, f"run_dir={base}/run", both("kill", 95, 0, base), nproc=2,
+            "train.py", *every, f"run_dir={base}/run", both("kill", 95, 0, base), nproc=2,
             check=False,
         )  # fmt: skip
         assert proc.returncode != 0
@@ -156,7 +160,7 @@ def test_resume_at_another_world_size_sees_each_sample_once(tmp_path_factory, ne
     shutil.copytree(base / "run", run)
     rec.mkdir()
     nproc = None if new_world_size == 1 else new_world_size
-    run_script("train.py", *RUN, f"run_dir={run}", recorder(rec), nproc=nproc)
+    run_script("train.py", *every, f"run_dir={run}", recorder(rec), nproc=nproc)
     before = recorded_samples(base, epoch=1, max_step=ckpt["step"])
     after = recorded_samples(rec, epoch=1)
     seen = before + after

@@ -47,6 +47,10 @@ class DataConfig:
     # tensor (batches indexed on the device) | torch (DataLoader)
     loader: str = "auto"
     split: str = "val"  # which split eval.py scores
+    # Training ends each epoch at the last whole batch on every rank (full batches: no
+    # BatchNorm batch of one); false trains on every sample, the last batch short.
+    # Validation and eval.py always see every sample.
+    drop_last: bool = True
     # What the model is sized for; each data config declares its own.
     in_channels: int = 1
     image_size: int = 8

@@ -30,6 +30,7 @@ from ddp_utils.data.samplers import (
     IGNORE_LABEL,
     EvalShardSampler,
     ResumableDistributedSampler,
+    training_sampler,
 )
 from ddp_utils.dist import Runtime, local_main_first
 
@@ -109,7 +110,9 @@ def token_bundle(cfg: TokenData, rt: Runtime, seed: int) -> DataBundle:
     )
 
 
-def build_data(cfg: DataConfig, rt: Runtime, seed: int, channels_last: bool = False) -> DataBundle:
+def build_data(
+    cfg: DataConfig, rt: Runtime, seed: int, channels_last: bool | str = False
+) -> DataBundle:
     """Every rank: the training and validation loaders of ``data=...`` and their preprocessing
     (``cfg`` resolved by ``resolve_data``)."""
     classes = None
@@ -128,7 +131,7 @@ def build_data(cfg: DataConfig, rt: Runtime, seed: int, channels_last: bool = Fa
     else:
         with local_main_first(rt):
             train_ds, val_ds = load_split(cfg, "train"), load_split(cfg, "val")
-        sampler = ResumableDistributedSampler(len(train_ds), rt.world_size, rt.rank, seed=seed)
+        sampler = training_sampler(len(train_ds), cfg, rt, seed)
         train = in_memory_loader(train_ds, sampler, cfg, rt)
         val = in_memory_loader(
             val_ds, EvalShardSampler(len(val_ds), rt.world_size, rt.rank), cfg, rt
@@ -145,7 +148,7 @@ def build_data(cfg: DataConfig, rt: Runtime, seed: int, channels_last: bool = Fa
 
 
 def build_eval_data(
-    cfg: DataConfig, rt: Runtime, seed: int, channels_last: bool = False
+    cfg: DataConfig, rt: Runtime, seed: int, channels_last: bool | str = False
 ) -> tuple[TensorLoader | DataLoader, nn.Module, list[str] | None]:
     """Every rank: the loader of ``data.split`` sharded exactly, its preprocessing, classes."""
     if isinstance(cfg, TokenData):

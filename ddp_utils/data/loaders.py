@@ -16,6 +16,7 @@ from ddp_utils.data.samplers import (
     EpochTagged,
     EvalShardSampler,
     ResumableDistributedSampler,
+    training_sampler,
 )
 from ddp_utils.dist import Runtime
 
@@ -88,7 +89,7 @@ def sharded_loaders(
 ) -> tuple[DataLoader, DataLoader, ResumableDistributedSampler]:
     """The per-sample-seeded training loader (its keys carry the epoch), the exact
     validation loader, and the training sampler."""
-    sampler = ResumableDistributedSampler(len(train_ds), rt.world_size, rt.rank, seed=seed)
+    sampler = training_sampler(len(train_ds), cfg, rt, seed)
     train = worker_loader(train_ds, EpochTagged(sampler), cfg, rt)
     return train, eval_shard_loader(val_ds, cfg, rt), sampler
 

@@ -8,6 +8,9 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import Sampler
 
+from ddp_utils.config import DataConfig
+from ddp_utils.dist import Runtime
+
 IGNORE_LABEL = -100  # cross_entropy's default ignore_index: a padding duplicate
 BAD_LABEL = -101  # an image that could not be read, skipped under data.skip_bad_images=true
 
@@ -47,14 +50,26 @@ class ResumableDistributedSampler(Sampler[int]):
     ``start=0`` each rank gets exactly DistributedSampler's indices. The padding that makes
     the shards equal is yielded as ``pad_marker(i)``: the sample is computed but its label is
     ignored, so every sample counts exactly once per epoch, whatever the world size.
+
+    ``drop_last_of=B`` (``data.drop_last``, the default for training) instead ends the epoch
+    at the last whole batch of ``B`` on every rank: the positions past a multiple of
+    ``B x world size`` are skipped (up to ``B x world size - 1`` random samples an epoch, as
+    DataLoader's ``drop_last``), so every batch is full and no BatchNorm layer in training
+    mode gets a batch of one. A rest shorter than one such global batch is kept (padded).
     """
 
     def __init__(
-        self, length: int, world_size: int, rank: int, seed: int = 0, shuffle: bool = True
+        self,
+        length: int,
+        world_size: int,
+        rank: int,
+        seed: int = 0,
+        shuffle: bool = True,
+        drop_last_of: int | None = None,
     ) -> None:
         assert 0 <= rank < world_size, f"rank {rank} outside world size {world_size}"
         self.length, self.world_size, self.rank = length, world_size, rank
-        self.seed, self.shuffle = seed, shuffle
+        self.seed, self.shuffle, self.drop_last_of = seed, shuffle, drop_last_of
         self.epoch, self.start = 0, 0
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
@@ -67,8 +82,17 @@ class ResumableDistributedSampler(Sampler[int]):
         g = torch.Generator().manual_seed(self.seed + self.epoch)
         return torch.randperm(self.length, generator=g).tolist()
 
+    def kept(self, start: int) -> int:
+        """How many positions from ``start`` on this epoch trains on (all but dropped ones)."""
+        rest, whole = self.length - start, (self.drop_last_of or 0) * self.world_size
+        return rest // whole * whole if whole and rest >= whole else rest
+
+    def shard_length(self, start: int) -> int:
+        """Each rank's sample count from epoch position ``start`` to the epoch's end."""
+        return math.ceil(self.kept(start) / self.world_size)
+
     def __iter__(self) -> Iterator[int]:
-        rest = self.epoch_order()[self.start :]
+        rest = self.epoch_order()[self.start : self.start + self.kept(self.start)]
         pad = -len(rest) % self.world_size
         if rest and pad:
             repeats = rest * math.ceil(pad / len(rest))
@@ -76,11 +100,26 @@ class ResumableDistributedSampler(Sampler[int]):
         return iter(rest[self.rank :: self.world_size])
 
     def __len__(self) -> int:
-        return math.ceil((self.length - self.start) / self.world_size)
+        return self.shard_length(self.start)
 
     def consumed(self, batches: int, batch_size: int) -> int:
-        """The epoch position after every rank has taken ``batches`` batches from here."""
-        return min(self.length, self.start + batches * batch_size * self.world_size)
+        """The epoch position after every rank has taken ``batches`` batches from here: the
+        epoch's length once they are all taken (dropped positions are passed, not trained)."""
+        if batches * batch_size >= len(self):
+            return self.length
+        return self.start + batches * batch_size * self.world_size
+
+    def trained_through(self, position: int) -> int:
+        """``position`` less the dropped positions before it (for the samples counted)."""
+        return min(position, self.start + self.kept(self.start))
+
+
+def training_sampler(
+    length: int, cfg: DataConfig, rt: Runtime, seed: int
+) -> ResumableDistributedSampler:
+    """The training sampler of ``length`` samples for ``data=...`` on this rank."""
+    drop = cfg.batch_size if cfg.drop_last else None
+    return ResumableDistributedSampler(length, rt.world_size, rt.rank, seed=seed, drop_last_of=drop)
 
 
 class EpochTagged(Sampler[tuple[int, int]]):

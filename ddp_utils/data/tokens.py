@@ -27,7 +27,12 @@ from torch.utils.data import Sampler
 
 from ddp_utils.config import ConfigError, PyStdlibData, TokenData
 from ddp_utils.config.data import TOKEN_DTYPES
-from ddp_utils.data.samplers import IGNORE_LABEL, EvalShardSampler, ResumableDistributedSampler
+from ddp_utils.data.samplers import (
+    IGNORE_LABEL,
+    EvalShardSampler,
+    ResumableDistributedSampler,
+    training_sampler,
+)
 from ddp_utils.dist import Runtime, local_main_first
 
 META = "meta.json"
@@ -281,6 +286,6 @@ def token_loaders(
 ) -> tuple[WindowLoader, WindowLoader, ResumableDistributedSampler]:
     """Every rank: the shuffled, sharded training windows and the exact validation ones."""
     train = train_windows(cfg, seed)
-    sampler = ResumableDistributedSampler(len(train), rt.world_size, rt.rank, seed=seed)
+    sampler = training_sampler(len(train), cfg, rt, seed)
     loader = WindowLoader(train, sampler, cfg.batch_size, rt.device)
     return loader, eval_loader(cfg, rt, "val"), sampler

@@ -102,7 +102,9 @@ def train_one_epoch(tr: Training) -> dict[str, float] | None:
         if last_micro:
             optimizer_step(tr)
             offset = sampler.consumed(i + 1, tr.cfg.data.batch_size)
-            tr.samples_seen += offset - tr.sample_offset
+            tr.samples_seen += sampler.trained_through(offset) - sampler.trained_through(
+                tr.sample_offset
+            )
             tr.sample_offset = offset
             end = i + 1 == n_batches
             due = validation_due(tr, end)

@@ -197,7 +197,7 @@ def resumed_total_steps(tr: Training, ckpt: dict[str, Any]) -> tuple[int, int]:
     t, batch, sampler = tr.cfg.trainer, tr.cfg.data.batch_size, tr.data.train_sampler
 
     def steps(start: int) -> int:
-        per_rank = math.ceil((sampler.length - start) / sampler.world_size)
+        per_rank = sampler.shard_length(start)
         return math.ceil(math.ceil(per_rank / batch) / t.grad_accum_steps)
 
     if t.max_steps is not None:  # the run's length, whatever the world size
