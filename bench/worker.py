@@ -26,10 +26,11 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ddp_utils.config import to_schema  # noqa: E402
+from ddp_utils.config import channels_last_on, to_schema  # noqa: E402
 from ddp_utils.data import load_split  # noqa: E402
 from ddp_utils.dist import init_distributed  # noqa: E402
 from ddp_utils.entry import register  # noqa: E402
+from ddp_utils.models import memory_format_of  # noqa: E402
 from ddp_utils.models.nets import ConvNet  # noqa: E402
 from ddp_utils.train.loop import train_one_epoch  # noqa: E402
 from ddp_utils.train.state import build_training, resolve_auto  # noqa: E402
@@ -115,13 +116,13 @@ def raw_loop(cfg, rt, ds):
     """The bound: the same DDP model stepping over normalised batches already in memory."""
     sampler = DistributedSampler(range(len(ds)), rt.world_size, rt.rank, shuffle=True)
     idx = torch.tensor(list(sampler))
-    fmt = torch.channels_last if cfg.trainer.channels_last else torch.contiguous_format
+    fmt = memory_format_of(cfg.trainer.channels_last)
     x = (ds.images[idx].float() / 255 - cfg.data.mean[0]) / cfg.data.std[0]
     batches = [
         (xb.to(rt.device).contiguous(memory_format=fmt), yb.to(rt.device))
         for xb, yb in zip(x.split(100), ds.labels[idx].split(100), strict=True)
     ]
-    model = convnet(cfg, rt, channels_last=cfg.trainer.channels_last)
+    model = convnet(cfg, rt, channels_last=channels_last_on(cfg.trainer.channels_last))
     opt = torch.optim.SGD(
         model.parameters(), lr=cfg.optim.lr, momentum=cfg.optim.momentum, foreach=True
     )
@@ -146,6 +147,7 @@ def main() -> None:
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         cfg = to_schema(compose(config_name="train", overrides=args.overrides))
     rt = init_distributed(cfg.trainer)
+    cfg = resolve_auto(cfg, rt)  # the raw bound runs in the memory format train.py picks
     ds = load_split(cfg.data, "train")
     loops = {
         "tutorial": tutorial_loop(cfg, rt, ds),

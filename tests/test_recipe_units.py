@@ -140,19 +140,43 @@ def test_weight_decay_groups_put_norms_and_biases_where_the_keys_say():
     assert [g["weight_decay"] for g in same] == [0.1]
 
 
-def test_precision_auto_picks_bf16_exactly_where_it_is_native():
+def test_precision_auto_picks_bf16_only_where_measured_faster():
+    from ddp_utils.config import ConvNetModel, GPTModel, ZooModel
+
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
     for amx, avx in ((False, False), (True, False), (False, True), (True, True)):
         with (
             mock.patch("torch.cpu._is_amx_tile_supported", return_value=amx),
             mock.patch("torch.cpu._is_avx512_bf16_supported", return_value=avx),
         ):
-            assert resolve_precision("auto", cpu) == ("bf16" if amx or avx else "32")
+            # The ConvNet declares bf16_on_cpu (measured faster with AMX); GPT and ResNet not.
+            assert resolve_precision("auto", cpu, ConvNetModel()) == ("bf16" if amx else "32")
+            assert resolve_precision("auto", cpu, GPTModel()) == "32"
+            assert resolve_precision("auto", cpu, ZooModel()) == "32"
+            assert resolve_precision("auto", cpu) == "32"
             assert resolve_precision("32", cpu) == "32"
     for major, want in ((7, "32"), (8, "bf16"), (9, "bf16")):
         with mock.patch("torch.cuda.get_device_capability", return_value=(major, 0)):
-            assert resolve_precision("auto", gpu) == want
+            assert resolve_precision("auto", gpu, GPTModel()) == want
             assert resolve_precision("fp16", gpu) == "fp16"
+
+
+def test_channels_last_auto_is_on_for_cuda_and_off_on_a_cpu():
+    from conftest import compose_config
+
+    from ddp_utils.dist import Runtime
+    from ddp_utils.train.state import resolve_auto
+
+    cfg = compose_config()
+    assert cfg.trainer.channels_last == "auto"
+    cpu = Runtime(0, 0, 1, 1, torch.device("cpu"), "gloo")
+    gpu = Runtime(0, 0, 1, 1, torch.device("cuda", 0), "nccl")
+    with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)):
+        assert resolve_auto(cfg, cpu).trainer.channels_last == "false"
+        assert resolve_auto(cfg, gpu).trainer.channels_last == "true"
+    assert compose_config("trainer.channels_last=true").trainer.channels_last == "true"
+    with pytest.raises(ConfigError, match="trainer.channels_last"):
+        compose_config("trainer.channels_last=maybe")
 
 
 def test_ema_decay_is_adjusted_and_copies_during_warmup():

@@ -44,6 +44,7 @@ from ddp_utils.config.schema import (
     TrainConfig,
     TrainerConfig,
     as_plain_dict,
+    channels_last_on,
     collect_target_kwargs,
     from_record,
     option_defaults,
@@ -62,7 +63,8 @@ __all__ = [
     "SegFolderData", "SegZooModel", "SegmentationData", "SegmentationTask", "StreamedData",
     "SyntheticData", "TaskConfig", "TorchvisionData", "TrainConfig", "TrainerConfig",
     "VOCData", "ZooModel", "TokenData", "PyStdlibData", "GPTModel", "HFModel",
-    "LanguageModelTask", "as_plain_dict", "collect_target_kwargs", "from_record",
+    "LanguageModelTask", "as_plain_dict", "channels_last_on", "collect_target_kwargs",
+    "from_record",
     "option_defaults", "option_schema", "options_help", "own_keys", "register_configs",
     "skips_bad_images", "to_schema", "unknown_keys", "validate", "whole_sentences",
 ]  # fmt: skip

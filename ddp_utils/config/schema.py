@@ -83,7 +83,9 @@ class TrainerConfig:
     backend: str = "auto"
     timeout_s: float = 300.0  # process-group init and collective timeout
     log_every_steps: int = 50
-    channels_last: bool = True  # NHWC activations: faster convolutions on CPU and GPU
+    # NHWC activations: auto = on for CUDA (tensor-core convolutions), off on a CPU (measured
+    # slower there) | true | false
+    channels_last: str = "auto"
     bucket_cap_mb: float = 25.0  # DDP gradient bucket size
     gradient_as_bucket_view: bool = True  # gradients alias DDP's buckets: one copy less
     static_graph: bool = False  # DDP: the graph is the same every step
@@ -215,6 +217,12 @@ def check_pairing(cfg: TrainConfig) -> None:
         )
 
 
+def channels_last_on(value: bool | str) -> bool:
+    """``trainer.channels_last`` once resolved (``true`` / ``false``; a bool in checkpoints
+    written before ``auto``)."""
+    return value is True or str(value).lower() == "true"
+
+
 def check_run(cfg: TrainConfig) -> None:
     """The groups without options of their own schema: optim, sched, trainer, the top level."""
     o, s, t = cfg.optim, cfg.sched, cfg.trainer
@@ -226,6 +234,8 @@ def check_run(cfg: TrainConfig) -> None:
     cfg.logger = logger_names(cfg.logger)
     t.progress = t.progress.lower()  # `trainer.progress=true` arrives as "True"
     check_choice("trainer.progress", t.progress, PROGRESS)
+    t.channels_last = str(t.channels_last).lower()
+    check_choice("trainer.channels_last", t.channels_last, PROGRESS)  # auto | true | false
     for key, value in (
         ("optim.lr", o.lr),
         ("trainer.epochs", t.epochs),

@@ -9,17 +9,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ddp_utils.config import DataConfig
+from ddp_utils.config import DataConfig, channels_last_on
 
 
 class Preprocess(nn.Module):
     """uint8 batch on the device -> normalised float; ``augment`` adds the in-memory sets'
     batched random crop and flip (streamed sets are augmented per sample in the workers)."""
 
-    def __init__(self, cfg: DataConfig, augment: bool, channels_last: bool = False) -> None:
+    def __init__(self, cfg: DataConfig, augment: bool, channels_last: bool | str = False) -> None:
         super().__init__()
         self.augment = augment
-        self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
+        on = channels_last_on(channels_last)
+        self.memory_format = torch.channels_last if on else torch.contiguous_format
         mean = torch.tensor(cfg.mean).view(1, -1, 1, 1) * 255.0
         std = torch.tensor(cfg.std).view(1, -1, 1, 1) * 255.0
         self.register_buffer("mean", mean, persistent=False)

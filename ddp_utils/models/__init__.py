@@ -18,7 +18,7 @@ from hydra.utils import instantiate
 from torch import nn
 
 from ddp_utils import targets
-from ddp_utils.config import ConfigError, DataConfig, ModelConfig, own_keys
+from ddp_utils.config import ConfigError, DataConfig, ModelConfig, channels_last_on, own_keys
 from ddp_utils.run import log
 from ddp_utils.targets import why
 
@@ -57,9 +57,10 @@ def build_model(cfg: ModelConfig, data: DataConfig, num_outputs: int | None = No
     return model
 
 
-def memory_format_of(channels_last: bool) -> torch.memory_format:
-    """``trainer.channels_last``: NHWC activations (and weights), else the default layout."""
-    return torch.channels_last if channels_last else torch.contiguous_format
+def memory_format_of(channels_last: bool | str) -> torch.memory_format:
+    """``trainer.channels_last`` resolved (``true`` / ``false``; a bool in checkpoints from
+    before ``auto``): NHWC activations (and weights), else the default layout."""
+    return torch.channels_last if channels_last_on(channels_last) else torch.contiguous_format
 
 
 def classifier_keys(model: nn.Module) -> set[str]:

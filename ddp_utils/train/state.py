@@ -45,8 +45,13 @@ def check_runtime(cfg: TrainerConfig, rt: Runtime) -> None:
 def resolve_auto(cfg: TrainConfig, rt: Runtime) -> TrainConfig:
     """The config with ``trainer.precision=auto`` replaced by what this device runs, so the log,
     config.yaml and checkpoints say what was chosen."""
-    precision = resolve_precision(cfg.trainer.precision, rt.device)
-    return dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, precision=precision))
+    t = cfg.trainer
+    precision = resolve_precision(t.precision, rt.device, cfg.model)
+    channels_last = t.channels_last
+    if channels_last == "auto":
+        channels_last = "true" if rt.device.type == "cuda" else "false"
+    trainer = dataclasses.replace(t, precision=precision, channels_last=channels_last)
+    return dataclasses.replace(cfg, trainer=trainer)
 
 
 def wrap_ddp(raw_model: nn.Module, cfg: TrainerConfig, rt: Runtime) -> nn.Module:
@@ -122,6 +127,23 @@ class Training:
         self.data.close()
 
 
+def check_batch_sizes(raw_model: nn.Module, sampler: Any, batch_size: int, rt: Runtime) -> None:
+    """A model with BatchNorm never gets a training batch of one: BatchNorm in training mode
+    raises on it ("Expected more than 1 value per channel") and the epoch is lost."""
+    if not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in raw_model.modules()):
+        return
+    per_rank = sampler.shard_length(0)
+    if batch_size == 1 or per_rank % batch_size == 1:
+        why = ("data.batch_size=1" if batch_size == 1 else
+               f"with data.drop_last=false each rank's last batch of an epoch holds one sample "
+               f"({per_rank} samples a rank at world size {rt.world_size}, in batches of "
+               f"{batch_size})")  # fmt: skip
+        raise ConfigError(
+            f"{why}, and the model has BatchNorm, which cannot train on a batch of one. Set "
+            "data.drop_last=true (the default) and data.batch_size of 2 or more."
+        )
+
+
 def global_batch(cfg: TrainConfig, rt: Runtime) -> int:
     return cfg.data.batch_size * rt.world_size * cfg.trainer.grad_accum_steps
 
@@ -151,6 +173,7 @@ def build_training(
     check_task(task, raw_model, metrics, cfg, rt.device)
     seed_everything(cfg.seed + rt.rank)
     data = build_data(cfg.data, rt, seed=cfg.seed, channels_last=t.channels_last)
+    check_batch_sizes(raw_model, data.train_sampler, cfg.data.batch_size, rt)
     steps_per_epoch = math.ceil(len(data.train) / t.grad_accum_steps)
     total_steps = t.epochs * steps_per_epoch if t.max_steps is None else t.max_steps
     optimizer = build_optimizer(cfg.optim, raw_model)
