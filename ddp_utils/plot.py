@@ -136,6 +136,12 @@ def palette(n: int) -> np.ndarray:
     return colours
 
 
+def shown_prediction(truth: np.ndarray, pred: np.ndarray, n_classes: int) -> np.ndarray:
+    """The prediction as drawn: where the truth is padding (a smaller image of the batch) or
+    ignored, the "ignored" colour (``n_classes``), not a prediction nobody scores."""
+    return np.where((truth >= 0) & (truth < n_classes), pred, n_classes)
+
+
 def plot_predictions(images, truths, preds, classes: list[str], out: Path) -> Path:
     """One row per image: the image, its true mask and the predicted one, in ``palette``
     colours, with a legend of the classes shown (``truths`` use a negative id for ignored)."""
@@ -153,7 +159,7 @@ def plot_predictions(images, truths, preds, classes: list[str], out: Path) -> Pa
         counted = (truth >= 0) & (truth < len(classes))
         shown |= set(np.unique(truth[counted]).tolist()) | set(np.unique(pred).tolist())
         axes[row, 1].imshow(colours[np.where(counted, truth, len(classes))])
-        axes[row, 2].imshow(colours[pred])
+        axes[row, 2].imshow(colours[shown_prediction(truth, pred, len(classes))])
         for col, title in enumerate(("image", "truth", "prediction")):
             axes[row, col].set_axis_off()
             if row == 0:

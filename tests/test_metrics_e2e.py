@@ -119,6 +119,8 @@ BAD_TASKS = {
     "no eval_step": (["task=custom", "task._target_=custom_tasks.NoEvalStep"],
                      "task._target_=custom_tasks.NoEvalStep has no eval_step"),
     "no target": (["task=custom"], "task=custom needs task._target_=pkg.module.MyTask"),
+    "no module": (["task=custom", "task._target_=nosuch.Task"],  # no Hydra lines before it
+                  "task._target_=nosuch.Task cannot be imported"),
     "mixup": ([*TASK, "data.mixup_alpha=0.2"],
               "data.mixup_alpha only apply to task=classification (this is task=custom)"),
     "argument": ([*TASK, "+task.depth=3"], "custom_tasks.DigitValue rejected its arguments"),

@@ -60,8 +60,10 @@ def test_in_process_under_torchrun_every_rank_runs_rank_0s_trial_and_prunes_toge
     table = {r["trial"]: r for r in rows(sweep)}
     assert {r["state"] for r in table.values()} == {"PRUNED", "COMPLETE"}
     assert "optim.lr=" in table[str(best["number"])]["params"]
-    # the trial's name for its pruning callback is Hydra's, not one of the job's overrides
+    # the trial's name for its pruning callback is Hydra's, not one of the job's overrides,
+    # nor in the line Hydra logs for each job
     assert all("hydra" not in r["overrides"] for r in table.values())
+    assert "DDP_OPTUNA_TRIAL" not in proc.stdout + proc.stderr
 
 
 def test_each_trial_its_own_torchrun_job_with_a_sqlite_study_and_pruning(tmp_path):

@@ -167,8 +167,20 @@ def test_voc_layout_reads_palette_indices_and_the_class_names(tmp_path):
     data = build_data(cfg, RT, seed=0)
     images, masks = next(iter(data.train))
     assert images.shape == (2, 3, 24, 24) and masks.shape == (2, 24, 24)
-    with pytest.raises(ConfigError, match="no Pascal VOC 2012 under data.root=.*never downloaded"):
+    missing = "no Pascal VOC 2012 under data.root=.*never downloaded"
+    with pytest.raises(ConfigError, match=missing) as e:
         seg_source(VOCData(root=str(tmp_path / "none")), "train", RT)
+    assert "download=True" not in str(e.value)  # torchvision's hint: no option offers it
+
+
+def test_predictions_are_drawn_as_ignored_over_the_padding():
+    import numpy as np
+
+    from ddp_utils.plot import shown_prediction
+
+    truth = np.array([[0, 1, -100], [2, -100, -100]])  # a smaller image, padded right and down
+    pred = np.array([[1, 1, 2], [2, 0, 1]])
+    assert shown_prediction(truth, pred, 3).tolist() == [[1, 1, 3], [2, 3, 3]]
 
 
 def test_digits_canvases_are_fixed_by_the_split_seed_and_hold_their_digits():

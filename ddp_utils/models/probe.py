@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import torch
 from hydra.utils import get_object
@@ -61,6 +61,13 @@ def check_logits(out: object, cfg: ModelConfig, data: DataConfig, expected: tupl
                  what: str) -> None:  # fmt: skip
     """Refuse an output that is not a tensor of shape ``expected`` (``what``: the config keys
     that decide it)."""
+    if isinstance(out, Mapping) and "out" in out:
+        raise ConfigError(
+            f"{describe(cfg)} is a segmentation model (its output is a dict of "
+            f"{', '.join(map(str, out))}), but this run's task wants {what}: use "
+            "task=segmentation with a segmentation data option (data=digits_seg | segfolder | "
+            "voc | mnist_seg, or experiment=digits_segmentation)."
+        )
     if not isinstance(out, torch.Tensor):
         raise ConfigError(
             f"the model returned {type(out).__name__}, not a tensor of logits: return the "

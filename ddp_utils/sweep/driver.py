@@ -115,7 +115,9 @@ class SearchRun:
         if not self.search.pruning:
             return []
         identity = trial_identity(self.search.name, self.search.storage, number, self.pruner)
-        return [f"++hydra.job.env_set.{TRIAL_ENV}='{identity}'"]
+        # Without a prefix (train.yaml declares the key): Hydra leaves hydra.* overrides out of
+        # the line it logs for each job, so the user sees the trial's own parameters only.
+        return [f"hydra.job.env_set.{TRIAL_ENV}='{identity}'"]
 
     def tell_all(self, returns: Sequence[JobReturn], sweep_dir: Path) -> None:
         for ask, ret in zip(self.pending, returns, strict=True):

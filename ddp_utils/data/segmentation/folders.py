@@ -192,8 +192,10 @@ def voc_index(cfg: SegmentationData, split: str, rt: Runtime) -> PairIndex:
         try:
             voc = VOCSegmentation(cfg.root, year=cfg.year, image_set=image_set, download=False)
         except (RuntimeError, OSError, ValueError) as e:
+            # torchvision suggests download=True, which no data option offers here.
+            reason = str(e).split(" You can use download=True")[0].strip().rstrip(".")
             raise ConfigError(
-                f"data=voc: no Pascal VOC {cfg.year} under data.root={cfg.root} ({e}). It is "
+                f"data=voc: no Pascal VOC {cfg.year} under data.root={cfg.root} ({reason}). It is "
                 f"never downloaded here: point data.root at the folder that holds "
                 f"VOCdevkit/VOC{cfg.year}/ (JPEGImages, SegmentationClass, "
                 f"ImageSets/Segmentation/{image_set}.txt)."
