@@ -7,7 +7,7 @@ NPROC  ?= 2
 ARGS   ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install train test lint format clean bench bench-gpu bench-data bench-seg bench-peer bench-profile bench-lm recipes
+.PHONY: help install train test lint format clean bench bench-gpu bench-data bench-seg bench-peer bench-profile bench-lm bench-nanogpt recipes
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -48,6 +48,10 @@ bench-profile: $(STAMP)  ## one run of each side under torch.profiler and py-spy
 
 bench-lm: $(STAMP)  ## language model: tokens/s of experiment=lm_char vs a plain DDP loop (~5 min)
 	$(BIN)/python bench/bench_lm.py $(ARGS)
+
+bench-nanogpt: $(STAMP)  ## language model: whole runs of nanoGPT's train.py (NANOGPT=DIR, a checkout) vs experiment=lm_char (~12 min)
+	@test -n "$(NANOGPT)" || { echo "make bench-nanogpt NANOGPT=DIR: DIR is a checkout of github.com/karpathy/nanoGPT"; exit 2; }
+	$(BIN)/python bench/nanogpt.py --nanogpt $(NANOGPT) $(ARGS)
 
 recipes: $(STAMP)  ## the recipes' accuracy over 3 held-out slices x 3 seeds x 3 lrs (~30 min)
 	$(BIN)/python bench/recipes.py

@@ -81,25 +81,26 @@ def start_script(
     )
 
 
-def mount_tmpfs(where: Path, size: str) -> Path:
-    """A real tmpfs of ``size`` at ``where`` (the test skips where this process may not mount
-    one); unmount it with ``umount -l``."""
+@contextlib.contextmanager
+def tmpfs(where: Path, size: str):
+    """A real tmpfs of ``size`` mounted at ``where`` for the block (the test skips where this
+    process may not mount one), unmounted after."""
     where.mkdir(parents=True, exist_ok=True)
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
                              capture_output=True, text=True)  # fmt: skip
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip() or 'not root'}")
-    return where
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
 
 
 @pytest.fixture
 def small_disk(tmp_path):
     """A 1 MiB tmpfs (skipped where this process may not mount one)."""
-    disk = mount_tmpfs(tmp_path / "disk", "1m")
-    try:
+    with tmpfs(tmp_path / "disk", "1m") as disk:
         yield disk
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
 def our_error_lines(stderr: str) -> list[str]:

@@ -5,12 +5,10 @@ checkpoint still loads."""
 
 from __future__ import annotations
 
-import subprocess
-
 import pytest
 import torch
 from callbacks import fill_disk
-from conftest import mount_tmpfs, our_error_lines, run_script
+from conftest import our_error_lines, run_script, tmpfs
 from lm_data import write_token_folder
 
 from ddp_utils.files import WRITE_FAILED_EXIT
@@ -32,11 +30,8 @@ MID = 8192  # bytes left: a checkpoint's write starts, and runs out of space hal
 
 @pytest.fixture
 def disk(tmp_path):
-    where = mount_tmpfs(tmp_path / "disk", "8m")
-    try:
+    with tmpfs(tmp_path / "disk", "8m") as where:
         yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], check=False)
 
 
 def assert_stopped_by_the_full_disk(proc, run, resumable: bool) -> None:
