@@ -217,6 +217,28 @@ def test_a_diverged_trial_fails_alone_and_a_mistake_stops_the_search(tmp_path):
         run.next(config)  # the search stops: the same mistake would fail every trial
 
 
+def test_a_trial_whose_peer_vanished_is_not_counted_and_stops_the_search(tmp_path):
+    """The agent killed alone: one rank's watcher ends it first, and rank 0's trial fails
+    with the collective's "Connection closed by peer" before its own watcher ends it."""
+    from hydra.core.utils import JobReturn, JobStatus
+    from omegaconf import OmegaConf
+
+    from ddp_utils.sweep.driver import SearchRun, SweepFailed
+
+    config = OmegaConf.create({"task": {"monitor_mode": "max"}, "hydra": {
+        "job": {"name": "train"}, "sweep": {"dir": str(tmp_path)}, "sweeper": {}}})  # fmt: skip
+    run = SearchRun(config, sweeper(None, n_trials=4), ["optim.lr=interval(0.01, 0.1)"], True)
+    number = run.next(config)[0]
+    ret = JobReturn(overrides=[], status=JobStatus.FAILED)
+    ret._return_value = RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:4242")
+    run.tell_all([ret], tmp_path)
+    trial = run.search.study.trials[number]
+    assert trial.state.name == "FAIL" and trial.user_attrs[INTERRUPTED] is True
+    assert run.search.counted() == 0
+    with pytest.raises(SweepFailed, match="another rank is gone; relaunch the same command"):
+        run.next(config)
+
+
 def suggest_momentum(cfg, trial) -> None:
     """A custom_search_space: momentum only for SGD (a conditional parameter)."""
     if trial.params["optim"] == "sgd":

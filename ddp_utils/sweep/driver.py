@@ -17,7 +17,7 @@ from hydra.core.utils import JobReturn, JobStatus
 from omegaconf import DictConfig, OmegaConf
 
 from ddp_utils.config import ConfigError
-from ddp_utils.dist import broadcast_object, init_distributed, read_launch_env
+from ddp_utils.dist import broadcast_object, init_distributed, lost_peer, read_launch_env
 from ddp_utils.run import log
 from ddp_utils.sweep.pruning import TRIAL_ENV, trial_identity
 from ddp_utils.sweep.summary import add_to_job, write_summary
@@ -95,7 +95,7 @@ class SearchRun:
         self.pruner = OmegaConf.to_container(config.hydra.sweeper.pruner, resolve=True) if (
             OmegaConf.is_config(config.hydra.sweeper.get("pruner"))) else None  # fmt: skip
         self.pending: list[Any] = []
-        self.stop: str | None = None
+        self.stop: str | ConfigError | None = None
         Path(config.hydra.sweep.dir).mkdir(parents=True, exist_ok=True)
         log.info("Optuna study %s (%s, %s): %d of %d trials done", self.search.name,
                  self.search.storage or "in memory", direction, self.search.counted(),
@@ -103,7 +103,7 @@ class SearchRun:
 
     def next(self, config: DictConfig) -> Order | None:
         if self.stop is not None:
-            raise ConfigError(self.stop)
+            raise self.stop if isinstance(self.stop, ConfigError) else ConfigError(self.stop)
         self.pending = self.search.ask(config)
         if not self.pending:
             return None
@@ -123,10 +123,17 @@ class SearchRun:
         for ask, ret in zip(self.pending, returns, strict=True):
             completed = ret.status == JobStatus.COMPLETED
             outcome = ret._return_value
+            # A rank that vanished (its launcher killed, a lost node) is no failure of the
+            # trial's: it stays unfinished, is not counted, and a relaunch runs it again.
+            gone = None if completed else lost_peer(outcome)
             fields = self.search.tell(ask, completed, outcome if completed else None,
-                                      None if completed else str(outcome))  # fmt: skip
+                                      None if completed else str(outcome),
+                                      interrupted=gone is not None)  # fmt: skip
             add_to_job(job_dir(ret, sweep_dir, ask.number), fields)
-            if not completed and is_mistake(outcome):
+            if gone is not None:
+                self.stop = SweepFailed(f"trial {ask.number} stopped: {gone}; relaunch the "
+                                        "same command to go on with the study")  # fmt: skip
+            elif not completed and is_mistake(outcome):
                 self.stop = str(outcome)  # the same mistake would fail every trial
         write_summary(sweep_dir)
 

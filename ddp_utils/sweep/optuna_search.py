@@ -240,9 +240,14 @@ class Search:
             asks.append(Ask(trial.number, dict(trial.params)))
         return asks
 
-    def tell(self, ask: Ask, completed: bool, value: Any, error: str | None) -> dict[str, Any]:
-        """Record one finished job; what its job.json gains (trial, state, value, params)."""
+    def tell(self, ask: Ask, completed: bool, value: Any, error: str | None,
+             interrupted: bool = False) -> dict[str, Any]:  # fmt: skip
+        """Record one finished job; what its job.json gains (trial, state, value, params).
+        ``interrupted``: it did not finish for a reason outside it (a rank gone): FAIL, not
+        counted towards n_trials."""
         trial = self.study.get_trials(deepcopy=False)[ask.number]
+        if interrupted:
+            self.study._storage.set_trial_user_attr(trial._trial_id, INTERRUPTED, True)
         if not completed:
             trial_state, told = TrialState.FAIL, None
         elif PRUNED_AT in trial.user_attrs:  # set by the trial's pruning callback
