@@ -236,6 +236,7 @@ def lost_peer(e: BaseException) -> str | None:
 
 
 LAUNCHER_POLL_S = 0.5
+PARENT_GONE_EXIT = 1  # if the group kill did not end this process first
 
 
 def stop_with_launcher(env: Mapping[str, str] | None = None) -> None:
@@ -267,9 +268,6 @@ def stop_with_launcher(env: Mapping[str, str] | None = None) -> None:
         os._exit(PARENT_GONE_EXIT)
 
     threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
-
-
-PARENT_GONE_EXIT = 1
 
 
 def write_error_file(message: str) -> None:

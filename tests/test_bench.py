@@ -90,3 +90,20 @@ def test_bench_lm_baseline_loop_runs(tmp_path):
     proc = run_script("bench/lm_loop.py", f"--root={root}", f"--vocab={len(CHARS)}",
                       "--steps=6", "--warmup=2", nproc=2)  # fmt: skip
     assert bench_result(proc.stdout)["tokens_per_s"] > 0
+
+
+def test_bench_nanogpt_links_a_checkout_and_refuses_a_folder_that_is_none(tmp_path):
+    import nanogpt  # bench/nanogpt.py
+    import pytest
+
+    checkout, prepared = tmp_path / "nanoGPT", tmp_path / "prepared"
+    (checkout / "config").mkdir(parents=True)
+    prepared.mkdir()
+    with pytest.raises(SystemExit, match="is not a nanoGPT checkout .no train.py, model.py"):
+        nanogpt.workdir(checkout, prepared, tmp_path)
+    for name in nanogpt.NEEDED:
+        (checkout / name).write_text("")
+    work = nanogpt.workdir(checkout, prepared, tmp_path)
+    assert (work / "train.py").resolve() == (checkout / "train.py").resolve()
+    assert (work / "data" / "shakespeare_char").resolve() == prepared.resolve()
+    assert "--dtype=float32" in nanogpt.THEIR_ARGS and "--block_size=64" in nanogpt.THEIR_ARGS

@@ -95,7 +95,7 @@ class SearchRun:
         self.pruner = OmegaConf.to_container(config.hydra.sweeper.pruner, resolve=True) if (
             OmegaConf.is_config(config.hydra.sweeper.get("pruner"))) else None  # fmt: skip
         self.pending: list[Any] = []
-        self.stop: str | ConfigError | None = None
+        self.stop: ConfigError | None = None
         Path(config.hydra.sweep.dir).mkdir(parents=True, exist_ok=True)
         log.info("Optuna study %s (%s, %s): %d of %d trials done", self.search.name,
                  self.search.storage or "in memory", direction, self.search.counted(),
@@ -103,7 +103,7 @@ class SearchRun:
 
     def next(self, config: DictConfig) -> Order | None:
         if self.stop is not None:
-            raise self.stop if isinstance(self.stop, ConfigError) else ConfigError(self.stop)
+            raise self.stop
         self.pending = self.search.ask(config)
         if not self.pending:
             return None
@@ -134,7 +134,7 @@ class SearchRun:
                 self.stop = SweepFailed(f"trial {ask.number} stopped: {gone}; relaunch the "
                                         "same command to go on with the study")  # fmt: skip
             elif not completed and is_mistake(outcome):
-                self.stop = str(outcome)  # the same mistake would fail every trial
+                self.stop = ConfigError(str(outcome))  # it would fail every trial the same
         write_summary(sweep_dir)
 
     def finish(self, sweep_dir: Path) -> None:

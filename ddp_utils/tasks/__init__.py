@@ -127,8 +127,7 @@ def check_task(
     try:
         with eval_mode(model):
             returned = task.eval_step(checked, batch, _NamedUpdates(metrics))
-            loss_and_count(task, "eval_step", returned)
-            check_sums(task, model, batch, metrics)
+            check_sums(task, model, batch, metrics, returned)
     except ConfigError:
         raise
     except Exception as e:
@@ -177,15 +176,18 @@ def doubled(batch: Batch) -> Batch | None:
     return Batch(torch.cat([batch.inputs] * 2), torch.cat([batch.target] * 2), batch.all_real)
 
 
-def check_sums(task: Task, model: nn.Module, batch: Batch, metrics: Any) -> None:
-    """Both methods on the blank batch and on it doubled (every row the same, in eval mode):
-    a sum and a count double, a mean stays put, the mistake that would train on a wrongly
-    weighted loss and average the metric wrongly without any error."""
+def check_sums(task: Task, model: nn.Module, batch: Batch, metrics: Any,
+               evaluated: Any) -> None:  # fmt: skip
+    """Both methods on the blank batch (``evaluated``: eval_step's return for it) and on it
+    doubled (every row the same, in eval mode): a sum and a count double, a mean stays put,
+    the mistake that would train on a wrongly weighted loss and average the metric wrongly
+    without any error."""
     twice = doubled(batch)
     calls = {"train_loss": lambda b: task.train_loss(model, b),
              "eval_step": lambda b: task.eval_step(model, b, metrics)}  # fmt: skip
     for method, call in calls.items():
-        loss, count = loss_and_count(task, method, call(batch))
+        returned = evaluated if method == "eval_step" else call(batch)
+        loss, count = loss_and_count(task, method, returned)
         if twice is None:
             continue
         loss2, count2 = loss_and_count(task, method, call(twice))
