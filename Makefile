@@ -39,12 +39,14 @@ bench-seg: $(STAMP)  ## segmentation input pipeline: data=segfolder vs the segme
 	$(BIN)/python -c "import skimage" 2>/dev/null || $(BIN)/python -m pip install -q -e '.[bench]'
 	$(BIN)/python bench/bench_seg.py $(ARGS)
 
-bench-peer: $(STAMP)  ## whole runs: train.py vs a references-style loop, 3 pairs of 3 epochs (~20 min on 2 cores)
-	$(BIN)/python bench/peer.py $(ARGS)
+bench-peer: $(STAMP)  ## whole runs: train.py vs torchvision's references/classification/train.py (REFERENCES=DIR, a checkout), 3 pairs (~8 min)
+	@test -n "$(REFERENCES)" || { echo "make bench-peer REFERENCES=DIR: DIR is a checkout of github.com/pytorch/vision"; exit 2; }
+	$(BIN)/python bench/peer.py --references $(REFERENCES) $(ARGS)
 
 bench-profile: $(STAMP)  ## one run of each side under torch.profiler and py-spy (bench/results/profile)
 	test -x $(BIN)/py-spy || $(BIN)/python -m pip install -q -e '.[bench]'
-	$(BIN)/python bench/peer.py --profile=50 $(ARGS)
+	@test -n "$(REFERENCES)" || { echo "make bench-profile REFERENCES=DIR: DIR is a checkout of github.com/pytorch/vision"; exit 2; }
+	$(BIN)/python bench/peer.py --references $(REFERENCES) --profile=50 $(ARGS)
 
 bench-lm: $(STAMP)  ## language model: tokens/s of experiment=lm_char vs a plain DDP loop (~5 min)
 	$(BIN)/python bench/bench_lm.py $(ARGS)

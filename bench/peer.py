@@ -1,6 +1,8 @@
-"""`make bench-peer`: whole training runs side by side, train.py against a references-style
-loop (bench/peer_reference.py), on the same image folder, model, batch, workers, schedule
-and epochs, at world size 2 with gloo on the CPU.
+"""`make bench-peer REFERENCES=DIR`: whole training runs side by side, train.py against
+torchvision's own classification reference (DIR/references/classification/train.py, from a
+checkout of github.com/pytorch/vision, launched by bench/peer_reference.py with its CPU
+changes), on the same image folder, model, batch, workers, optimizer, schedule and epochs,
+at world size 2 with gloo on the CPU.
 
 Runs alternate (ours, theirs, ours, theirs, ...) so that a noisy machine slows both alike.
 Each run is timed from its launch to its exit; both print wall-clock stamps of their first
@@ -81,9 +83,15 @@ def ours_command(
 
 
 def theirs_command(data: Path, run_dir: Path, a: argparse.Namespace) -> list[str]:
-    return [*TORCHRUN, str(ROOT / "bench" / "peer_reference.py"), f"--data={data}",
+    """torchvision's references/classification/train.py from ``a.references`` on the same
+    job, through bench/peer_reference.py (its CPU changes); its validation resizes to
+    crop / 0.875 and center-crops, as its presets do at 224 / 256."""
+    return [*TORCHRUN, str(ROOT / "bench" / "peer_reference.py"), f"--references={a.references}",
+            "--", f"--data-path={data}", "--model=resnet18", "--device=cpu",
             f"--output-dir={run_dir}", f"--epochs={a.epochs}", f"--batch-size={a.batch_size}",
-            f"--workers={a.workers}", f"--crop={a.crop}", f"--lr={a.lr}"]  # fmt: skip
+            f"--workers={a.workers}", f"--lr={a.lr}", "--momentum=0.9", "--wd=1e-4",
+            "--lr-scheduler=cosineannealinglr", f"--train-crop-size={a.crop}",
+            f"--val-crop-size={a.crop}", f"--val-resize-size={round(a.crop / 0.875)}"]  # fmt: skip
 
 
 def profiled_command(kind: str, data: Path, run_dir: Path, a: argparse.Namespace) -> list[str]:
@@ -94,8 +102,9 @@ def profiled_command(kind: str, data: Path, run_dir: Path, a: argparse.Namespace
         profile = f", {{_target_: peer_profile.Profile, steps: {a.profile}, out: '{table}'}}"
         command = ours_command(data, run_dir, a, callbacks=profile)
     else:
-        command = [*theirs_command(data, run_dir, a), f"--profile-steps={a.profile}",
-                   f"--profile-out={table}"]  # fmt: skip
+        command = theirs_command(data, run_dir, a)
+        cut = command.index("--")  # the launcher's own options go before its "--"
+        command[cut:cut] = [f"--profile-steps={a.profile}", f"--profile-out={table}"]
     spy = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which("py-spy")
     if spy is None:
         print("py-spy not found (pip install py-spy): torch.profiler only", flush=True)
@@ -140,7 +149,10 @@ def table(ours: dict, theirs: dict) -> str:
     rows = [("wall time (s)", "wall_s", "{:.1f}"), ("time to first step (s)", "first_step_s",
              "{:.1f}"), ("after the last epoch (s)", "after_last_epoch_s", "{:.1f}"),
             ("final top-1", "top1", "{:.4f}")]  # fmt: skip
-    lines = ["| median | ours | references-style | ours / theirs |", "| --- | --- | --- | --- |"]
+    lines = [
+        "| median | ours | torchvision reference | ours / theirs |",
+        "| --- | --- | --- | --- |",
+    ]
     for label, key, fmt in rows:
         ratio = ours[key] / theirs[key] if theirs[key] else float("nan")
         lines.append(f"| {label} | {fmt.format(ours[key])} | {fmt.format(theirs[key])} | "
@@ -164,6 +176,12 @@ def machine() -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--references",
+        type=Path,
+        required=True,
+        help="a checkout of github.com/pytorch/vision (make bench-peer REFERENCES=DIR)",
+    )
     p.add_argument("--pairs", type=int, default=3)
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=64)

@@ -1,126 +1,144 @@
-"""The peer of `make bench-peer`: a training run the way torchvision's classification
-reference (references/classification/train.py) does it, written here from what it does.
+"""The peer of `make bench-peer`: torchvision's own classification reference,
+``references/classification/train.py`` from a user's checkout of github.com/pytorch/vision
+(``--references DIR``: the checkout, its ``references/`` or its ``classification/``), run
+with its own presets, transforms and utils, its files untouched.
 
-ImageFolder with PIL transforms (RandomResizedCrop + flip for training; Resize + CenterCrop
-for evaluation), DistributedSampler, DDP, SGD with cross-entropy, a per-batch top-1 and loss
-for its logger (a host sync each step), an evaluation whose counts are all-reduced, and a
-checkpoint on rank 0 after every epoch. The learning rate follows a cosine over the run's
-steps, stepped every iteration, as ours does (the reference steps it once per epoch), so
-the two runs train the same schedule. Launched by bench/peer.py under torchrun; prints
-``PEER {json}`` lines on rank 0 with wall-clock stamps.
+The reference is written for CUDA. Before its ``main`` runs, this launcher makes the few
+changes a CPU run needs, all at the torch level, none in its files:
+
+- ``torch.distributed.init_process_group``: the backend is gloo (it asks for nccl);
+- ``torch.cuda.set_device``: skipped (there is no device to select);
+- ``DistributedDataParallel``: ``device_ids`` dropped (a CPU model takes none);
+- ``torch.tensor(..., device="cuda")``: made on the CPU (its metric sync,
+  ``utils.reduce_across_processes``).
+
+Its ``train_one_epoch``, ``evaluate`` and ``MetricLogger.log_every`` are wrapped to print the
+``PEER {json}`` stamps bench/peer.py reads (the first step, each epoch's end with its rate
+and top-1) on rank 0. Usage, under torchrun:
+
+    peer_reference.py --references DIR [--profile-steps N --profile-out F] -- <train.py args>
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torchvision
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader
-from torch.utils.data.distributed import DistributedSampler
-from torchvision import transforms as T
-
-MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
-def emit(**record) -> None:
-    if dist.get_rank() == 0:
-        print("PEER " + json.dumps(record), flush=True)
-
-
-def loaders(args: argparse.Namespace) -> tuple[DataLoader, DataLoader, DistributedSampler]:
-    to_float = [T.PILToTensor(), T.ConvertImageDtype(torch.float), T.Normalize(MEAN, STD)]
-    train_tf = T.Compose([T.RandomResizedCrop(args.crop), T.RandomHorizontalFlip(), *to_float])
-    val_tf = T.Compose([T.Resize(round(args.crop / 0.875)), T.CenterCrop(args.crop), *to_float])
-    train = torchvision.datasets.ImageFolder(os.path.join(args.data, "train"), train_tf)
-    val = torchvision.datasets.ImageFolder(os.path.join(args.data, "val"), val_tf)
-    sampler = DistributedSampler(train, shuffle=True, seed=args.seed)
-    val_sampler = DistributedSampler(val, shuffle=False)  # pads: some images count twice
-    kw = dict(batch_size=args.batch_size, num_workers=args.workers, pin_memory=True)
-    return (
-        DataLoader(train, sampler=sampler, **kw),
-        DataLoader(val, sampler=val_sampler, **kw),
-        sampler,
+def reference_folder(root: Path) -> Path:
+    """The folder holding the classification reference's train.py under ``root``."""
+    for folder in (root / "references" / "classification", root / "classification", root):
+        if (folder / "train.py").is_file() and (folder / "presets.py").is_file():
+            return folder
+    raise SystemExit(
+        f"REFERENCES={root}: no references/classification/train.py under it; pass a checkout "
+        "of github.com/pytorch/vision (git clone --depth 1 https://github.com/pytorch/vision)."
     )
 
 
-def train_one_epoch(model, criterion, optimizer, scheduler, loader, prof) -> tuple[int, float]:
-    model.train()
-    seen, start = 0, time.perf_counter()
-    for image, target in loader:
-        output = model(image)
-        loss = criterion(output, target)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        scheduler.step()
-        # The reference's MetricLogger: loss.item() and top-1 of every batch.
-        _ = loss.item(), (output.argmax(1) == target).float().mean().item()
-        seen += len(target)
-        if seen == len(target):
-            emit(event="first_step", time=time.time())
-        if prof is not None:
-            prof.step()
-    return seen, time.perf_counter() - start
+def run_on_cpu() -> None:
+    """The CPU changes listed in the module's docstring (no-ops where CUDA is present)."""
+    if torch.cuda.is_available():
+        return
+    init = dist.init_process_group
+
+    def init_process_group(*args, **kwargs):
+        kwargs["backend"] = "gloo"
+        return init(*args[1:], **kwargs) if args else init(**kwargs)
+
+    tensor = torch.tensor
+
+    def cpu_tensor(data, *args, device=None, **kwargs):
+        if device is not None and str(device).startswith("cuda"):
+            device = "cpu"
+        return tensor(data, *args, device=device, **kwargs)
+
+    class CpuDDP(torch.nn.parallel.DistributedDataParallel):
+        def __init__(self, module, device_ids=None, *args, **kwargs):
+            super().__init__(module, None, *args, **kwargs)
+
+    dist.init_process_group = init_process_group
+    torch.cuda.set_device = lambda device: None
+    torch.tensor = cpu_tensor
+    torch.nn.parallel.DistributedDataParallel = CpuDDP
 
 
-def evaluate(model, criterion, loader) -> float:
-    model.eval()
-    counts = torch.zeros(3, dtype=torch.float64)  # correct, samples, loss sum
-    with torch.inference_mode():
-        for image, target in loader:
-            output = model(image)
-            counts += torch.tensor([(output.argmax(1) == target).sum().item(), len(target),
-                                    criterion(output, target).item() * len(target)])  # fmt: skip
-    dist.all_reduce(counts)
-    return float(counts[0] / counts[1])
+def emit(**record) -> None:
+    if dist.is_initialized() and dist.get_rank() == 0:
+        sys.stdout.write("PEER " + json.dumps(record) + "\n")
+        sys.stdout.flush()
+
+
+def add_stamps(train, utils, prof) -> None:
+    """Wrap the reference's epoch, evaluation and step loop to print the PEER stamps."""
+    state = {"epoch": 0, "img_s": 0.0, "stepped": False}
+    train_one_epoch, evaluate, log_every = (
+        train.train_one_epoch,
+        train.evaluate,
+        utils.MetricLogger.log_every,
+    )
+
+    def timed_epoch(model, criterion, optimizer, data_loader, *args, **kwargs):
+        start = time.perf_counter()
+        out = train_one_epoch(model, criterion, optimizer, data_loader, *args, **kwargs)
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        state["img_s"] = len(data_loader.sampler) * world / (time.perf_counter() - start)
+        return out
+
+    def timed_evaluate(*args, **kwargs):
+        top1 = evaluate(*args, **kwargs)
+        if not kwargs.get("log_suffix"):  # not its EMA model's evaluation
+            emit(event="epoch", epoch=state["epoch"], img_s=state["img_s"], top1=top1 / 100,
+                 time=time.time())  # fmt: skip
+            state["epoch"] += 1
+        return top1
+
+    def stamped(self, iterable, print_freq, header=None):
+        training = str(header).startswith("Epoch")
+        for obj in log_every(self, iterable, print_freq, header):
+            yield obj  # the code below runs once the step on ``obj`` is done
+            if training and not state["stepped"]:
+                state["stepped"] = True
+                emit(event="first_step", time=time.time())
+            if training and prof is not None:
+                prof.step()
+
+    train.train_one_epoch, train.evaluate = timed_epoch, timed_evaluate
+    utils.MetricLogger.log_every = stamped
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--data", required=True)
-    p.add_argument("--output-dir", required=True)
-    for name, kind, default in [("epochs", int, 3), ("batch-size", int, 64), ("workers", int, 1),
-                                ("crop", int, 32), ("seed", int, 0), ("num-classes", int, 10),
-                                ("lr", float, 0.1), ("momentum", float, 0.9),
-                                ("wd", float, 1e-4), ("profile-steps", int, 0),
-                                ("profile-out", str, "profile.txt")]:  # fmt: skip
-        p.add_argument(f"--{name}", type=kind, default=default)
-    args = p.parse_args()
-    dist.init_process_group("gloo")
-    torch.manual_seed(args.seed)
-    train, val, sampler = loaders(args)
-    model = DDP(torchvision.models.resnet18(num_classes=args.num_classes))
-    criterion = nn.CrossEntropyLoss()
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
-                                weight_decay=args.wd)  # fmt: skip
-    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, args.epochs * len(train))
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--references", type=Path, required=True)
+    p.add_argument("--profile-steps", type=int, default=0)
+    p.add_argument("--profile-out", default="profile.txt")
+    argv = sys.argv[1:]
+    cut = argv.index("--") if "--" in argv else len(argv)
+    ours, theirs = p.parse_args(argv[:cut]), argv[cut + 1 :]
+    folder = reference_folder(ours.references.expanduser().resolve())
+    sys.path.insert(0, str(folder))
+    run_on_cpu()
+    train, utils = importlib.import_module("train"), importlib.import_module("utils")
+    args = train.get_args_parser().parse_args(theirs)
     prof = None
-    if args.profile_steps:  # make bench-profile: the same window as ours
+    if ours.profile_steps:  # make bench-profile: the same window as ours
         from profile_window import start_profiler
 
-        prof = start_profiler(args.profile_steps, args.profile_out, dist.get_rank() == 0)
-    for epoch in range(args.epochs):
-        sampler.set_epoch(epoch)
-        seen, elapsed = train_one_epoch(model, criterion, optimizer, scheduler, train, prof)
-        rate = torch.tensor([seen / elapsed])
-        dist.all_reduce(rate)  # the global rate: every rank's images over its time
-        top1 = evaluate(model, criterion, val)
-        emit(event="epoch", epoch=epoch, img_s=float(rate), top1=top1, time=time.time())
-        if dist.get_rank() == 0:
-            state = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
-                     "lr_scheduler": scheduler.state_dict(), "epoch": epoch}  # fmt: skip
-            torch.save(state, os.path.join(args.output_dir, f"model_{epoch}.pth"))
-            torch.save(state, os.path.join(args.output_dir, "checkpoint.pth"))
+        rank0 = int(os.environ.get("RANK", "0")) == 0
+        prof = start_profiler(ours.profile_steps, ours.profile_out, rank0)
+    add_stamps(train, utils, prof)
+    sys.argv = [str(folder / "train.py"), *theirs]
+    train.main(args)
     if prof is not None:
-        prof.stop()  # as ours' callback does at the end of training
-    dist.destroy_process_group()
+        prof.stop()
 
 
 if __name__ == "__main__":

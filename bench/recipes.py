@@ -4,7 +4,7 @@ Each recipe trains at world size 2 on 3 disjoint held-out validation slices
 (``data.val_slice=0,1,2``: the rest of the images are the training set) with 3 seeds, at the
 default learning rate and at half and twice it, one torchrun sweep per (recipe, lr), and the
 table gives min / mean / max of the final ``val/accuracy`` (``val/miou`` for the segmentation
-recipe, at its own learning rate only, with ``--seg-seeds`` seeds: each run is minutes;
+recipes, at their own learning rate only, with ``--seg-seeds`` seeds: each run is minutes;
 ``val/loss`` of the language model on the last tenth of the stdlib corpus, over
 ``--lm-seeds`` seeds at its own learning rate).
 ``--only TEXT`` runs the recipes whose name holds TEXT. MNIST rows need the images of
@@ -30,6 +30,9 @@ RECIPES = {
     "digits (default, 10 epochs)": [],
     "digits segmentation (experiment=digits_segmentation, 24 epochs)": [
         "experiment=digits_segmentation",
+    ],
+    "MNIST segmentation (experiment=mnist_segmentation, 12 epochs)": [
+        "experiment=mnist_segmentation", f"data.root={MNIST}",
     ],
     "MNIST (data=mnist, 10 epochs)": ["data=mnist", f"data.root={MNIST}"],
     "MNIST tutorial (experiment=mnist_convnet, 2 epochs)": [

@@ -44,15 +44,14 @@ def param_groups(cfg: OptimConfig, model: nn.Module) -> list[dict]:
 
 def build_optimizer(cfg: OptimConfig, model: nn.Module) -> torch.optim.Optimizer:
     groups = param_groups(cfg, model)
-    # Fused kernels on CUDA (one launch for all parameters), multi-tensor foreach elsewhere.
-    on_cuda = any(p.is_cuda for g in groups for p in g["params"])
-    impl = {"fused": True} if on_cuda else {"foreach": True}
+    # Fused kernels on CUDA and on the CPU: one kernel per parameter for the whole update.
+    # Measured on this CPU, resnet18's step: SGD 6.5 ms fused against 17.5 foreach and 17.4
+    # per-parameter; AdamW 11.7 ms against 37.4 and 48.3 (README "Speed").
     if cfg.name == "sgd":
         return torch.optim.SGD(
-            groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, **impl
+            groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, fused=True
         )
     if cfg.name == "adamw":
-        # Fused AdamW runs on the CPU too (one kernel per step instead of a dozen foreach ops).
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), fused=True)
     raise AssertionError(f"unvalidated optimizer {cfg.name}")
 

@@ -107,3 +107,80 @@ def test_bench_nanogpt_links_a_checkout_and_refuses_a_folder_that_is_none(tmp_pa
     assert (work / "train.py").resolve() == (checkout / "train.py").resolve()
     assert (work / "data" / "shakespeare_char").resolve() == prepared.resolve()
     assert "--dtype=float32" in nanogpt.THEIR_ARGS and "--block_size=64" in nanogpt.THEIR_ARGS
+
+
+REFERENCE_UTILS = """
+import torch, torch.distributed as dist
+
+
+class MetricLogger:
+    def log_every(self, iterable, print_freq, header=None):
+        yield from iterable
+
+
+def reduce_across_processes(val):
+    t = torch.tensor(val, device="cuda")  # the reference's metric sync, on CUDA
+    dist.barrier()
+    dist.all_reduce(t)
+    return t
+"""
+REFERENCE_TRAIN = """
+import argparse, os, torch, utils
+
+
+def train_one_epoch(model, criterion, optimizer, data_loader, device, epoch, args):
+    for x, y in utils.MetricLogger().log_every(data_loader, 10, f"Epoch: [{epoch}]"):
+        optimizer.zero_grad()
+        criterion(model(x), y).backward()
+        optimizer.step()
+
+
+def evaluate(model, criterion, data_loader, device, log_suffix=""):
+    right = sum(int((model(x).argmax(1) == y).sum()) for x, y in data_loader)
+    return 100.0 * float(utils.reduce_across_processes([right])[0]) / 16
+
+
+def main(args):
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    torch.distributed.init_process_group(backend="nccl", init_method="env://")
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2), device_ids=[0])
+    data = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))
+    sampler = torch.utils.data.distributed.DistributedSampler(data)
+    loader = torch.utils.data.DataLoader(data, batch_size=4, sampler=sampler)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
+    for epoch in range(args.epochs):
+        train_one_epoch(model, torch.nn.CrossEntropyLoss(), optimizer, loader, "cpu", epoch, args)
+        evaluate(model, None, loader, "cpu")
+
+
+def get_args_parser():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--epochs", type=int)
+    parser.add_argument("--lr", type=float)
+    return parser
+"""
+
+
+def test_bench_peer_runs_a_cuda_written_reference_on_the_cpu_with_its_files_untouched(tmp_path):
+    """bench/peer_reference.py's CPU changes, at world size 2 with gloo, on a checkout laid
+    out as torchvision's whose train.py makes each CUDA-only call the real one makes (nccl,
+    set_device, DDP device_ids, a metric sync on a CUDA tensor); its stamps come back."""
+    folder = tmp_path / "vision" / "references" / "classification"
+    folder.mkdir(parents=True)
+    files = {"train.py": REFERENCE_TRAIN, "utils.py": REFERENCE_UTILS, "presets.py": ""}
+    for name, text in files.items():
+        (folder / name).write_text(text)
+    proc = run_script("bench/peer_reference.py", f"--references={tmp_path / 'vision'}", "--",
+                      "--epochs=2", "--lr=0.1", nproc=2)  # fmt: skip
+    events = [x for x in proc.stdout.splitlines() if x.startswith("PEER ")]
+    assert [e.split('"event": ')[1].split(",")[0] for e in events] == [
+        '"first_step"', '"epoch"', '"epoch"']  # fmt: skip
+    assert all((folder / n).read_text() == t for n, t in files.items())
+
+
+def test_bench_peer_refuses_a_folder_that_holds_no_reference(tmp_path):
+    import peer_reference  # bench/peer_reference.py
+    import pytest
+
+    with pytest.raises(SystemExit, match="no references/classification/train.py under it"):
+        peer_reference.reference_folder(tmp_path)

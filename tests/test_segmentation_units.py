@@ -17,6 +17,7 @@ from ddp_utils.data.samplers import EpochTagged, ResumableDistributedSampler
 from ddp_utils.data.segmentation import seg_dataset, seg_source
 from ddp_utils.dist import Runtime
 from ddp_utils.entry import register
+from ddp_utils.models import build_model
 from ddp_utils.tasks import Batch, build_task, check_task
 from ddp_utils.tasks.segmentation import Segmentation
 
@@ -375,3 +376,24 @@ def test_a_folder_is_scanned_once_then_its_index_is_read_from_the_cache(tmp_path
     Image.new("L", (24, 24)).save(root / "train" / "masks" / "003.png")  # a change: rescanned
     with pytest.raises(ConfigError, match="1 masks without an image"):
         seg_source(folder_cfg(root), "train", RT)
+
+
+def receptive_extent(model: torch.nn.Module, size: int = 96) -> int:
+    """The side of the square of input pixels that the class scores at the centre pixel
+    depend on (their gradient is non-zero there)."""
+    model.eval()
+    x = torch.randn(1, 1, size, size, requires_grad=True)
+    model(x)[0, :, size // 2, size // 2].sum().backward()
+    rows, cols = x.grad[0, 0].abs().gt(0).nonzero(as_tuple=True)
+    return int(min(rows.max() - rows.min(), cols.max() - cols.min())) + 1
+
+
+def test_the_segmentation_model_sees_a_whole_28_pixel_digit_and_more():
+    """Item 11: a pixel's class comes from the whole digit around it. The former three
+    full-resolution stages saw 23 pixels, so a 28-pixel digit's class flipped along it."""
+    cfg = compose_train("experiment=mnist_segmentation", "data.root=unused")
+    model = build_model(cfg.model, cfg.data)
+    assert receptive_extent(model) >= 2 * 28, "the context must hold a digit on either side"
+    assert receptive_extent(type(model)(1, 11, context=[])) >= 28 * 3 // 2
+    out = model(torch.randn(2, 1, 40, 56))  # sides that do not divide by 16
+    assert out.shape == (2, 11, 40, 56)

@@ -93,12 +93,17 @@ class SegConvNetModel(ModelConfig):
 
     _target_: str = "ddp_utils.models.nets.SegConvNet"
     name: str = "seg_convnet"
-    channels: list[int] = field(default_factory=lambda: [32, 64, 96])  # one stage each
+    channels: list[int] = field(default_factory=lambda: [16, 32, 64, 96])  # one stage each
+    context: list[int] = field(default_factory=lambda: [2, 4])  # dilations on the last stage
 
     def check(self) -> None:
         if len(self.channels) < 2 or any(c < 1 for c in self.channels):
             raise ConfigError(
                 f"model.channels={self.channels} needs two or more positive channel counts."
+            )
+        if any(d < 1 for d in self.context):
+            raise ConfigError(
+                f"model.context={self.context} needs dilations >= 1 (or [] for none)."
             )
 
 

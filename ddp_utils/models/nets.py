@@ -51,40 +51,58 @@ class MLP(nn.Module):
         return self.net(x)
 
 
-def conv_bn(c_in: int, c_out: int, stride: int = 1) -> nn.Sequential:
+def conv_bn(c_in: int, c_out: int, stride: int = 1, dilation: int = 1) -> nn.Sequential:
     return nn.Sequential(
-        nn.Conv2d(c_in, c_out, kernel_size=3, stride=stride, padding=1, bias=False),
+        nn.Conv2d(c_in, c_out, 3, stride=stride, padding=dilation, dilation=dilation, bias=False),
         nn.BatchNorm2d(c_out),
         nn.ReLU(inplace=True),
     )
 
 
 class SegConvNet(nn.Module):
-    """A small encoder-decoder for segmentation: stage ``k`` works at 1/2**k of the input
-    (two 3x3 conv blocks, the first strided), the decoder upsamples each stage and adds the
-    one above it (a U-Net with sums), and a 1x1 convolution scores every pixel at the input's
-    size. Inputs whose sides do not divide by 2**(stages-1) are fine: each upsampling goes to
-    the skip's own size."""
+    """A small encoder-decoder for segmentation. Stage ``k`` works at 1/2**(k + 1) of the
+    input (two 3x3 conv blocks, the first strided); residual dilated 3x3 blocks on the last
+    stage (``context``) widen its view; the decoder upsamples each stage and adds the one above
+    it (a U-Net with sums), a 1x1 convolution scores every pixel at half the input's size, and
+    the scores are upsampled to the input's size.
 
-    def __init__(self, in_channels: int, num_classes: int, channels: list[int] = (32, 64, 96)):
+    Why this shape (measured, README "Segmentation"): a class needs the whole digit in view.
+    The defaults' receptive field is 283 pixels (91 without the context blocks), where the
+    former three stages from full resolution saw 23, so a 28-pixel MNIST digit's class flipped
+    along its strokes; the stride-2 stem also makes it ~6x faster on a CPU.
+    Inputs whose sides do not divide by 2**stages are fine: each upsampling goes to the
+    skip's own size."""
+
+    def __init__(
+        self,
+        in_channels: int,
+        num_classes: int,
+        channels: list[int] = (16, 32, 64, 96),
+        context: list[int] = (2, 4),
+    ) -> None:
         super().__init__()
         stages, c_in = [], in_channels
-        for k, c in enumerate(channels):
-            stages.append(nn.Sequential(conv_bn(c_in, c, stride=1 if k == 0 else 2), conv_bn(c, c)))
+        for c in channels:
+            stages.append(nn.Sequential(conv_bn(c_in, c, stride=2), conv_bn(c, c)))
             c_in = c
         self.stages = nn.ModuleList(stages)
+        self.context = nn.ModuleList(conv_bn(c_in, c_in, dilation=d) for d in context)
         self.lateral = nn.ModuleList(
             nn.Conv2d(hi, lo, kernel_size=1) for lo, hi in zip(channels, channels[1:], strict=False)
         )
         self.head = nn.Conv2d(channels[0], num_classes, kernel_size=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        skips = []
+        size, skips = x.shape[-2:], []
         for stage in self.stages:
             x = stage(x)
             skips.append(x)
+        for block in self.context:
+            x = x + block(x)
         for skip, lateral in zip(reversed(skips[:-1]), reversed(self.lateral), strict=True):
             x = skip + nn.functional.interpolate(
                 lateral(x), size=skip.shape[-2:], mode="bilinear", align_corners=False
             )
-        return self.head(x)
+        return nn.functional.interpolate(
+            self.head(x), size=size, mode="bilinear", align_corners=False
+        )
