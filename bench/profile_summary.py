@@ -33,7 +33,7 @@ PHASES = [  # (phase, a frame that marks it); the first match wins
     ("checkpoint", "save (torch/serialization"),
     ("step: forward and the rest", "train_one_epoch"),
     ("build: model, data, metrics", "build_training"),
-    ("build: model, data, metrics", "loaders (peer_reference"),
+    ("build: model, data, metrics", "load_data ("),  # the torchvision reference's
     ("process group", "init_distributed"),
     ("process group", "init_process_group"),
     ("imports", "_find_and_load"),
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     ours = phases(folder / "ours_py_spy.txt", "train.py")
     theirs = phases(folder / "theirs_py_spy.txt", "bench/peer_reference.py")
     names = list(dict.fromkeys([name for name, _ in PHASES] + ["other"]))
-    print("| rank 0's wall time (s, py-spy) | ours | references-style |\n| --- | --- | --- |")
+    print("| rank 0's wall time (s, py-spy) | ours | torchvision reference |\n| --- | --- | --- |")
     for name in names:
         if ours[name] or theirs[name]:
             print(f"| {name} | {ours[name]:.1f} | {theirs[name]:.1f} |")

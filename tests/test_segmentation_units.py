@@ -64,6 +64,10 @@ def test_the_recipes_compose_and_validate():
         "miou",
     )
     assert cfg.data.image_size == cfg.data.crop_size
+    # The small digits keep full resolution; MNIST's 28-pixel digits take the stride-2 default.
+    assert (cfg.model.stem_stride, cfg.model.channels, cfg.model.context) == (1, [32, 64, 96], [2])
+    cfg = compose_train("experiment=mnist_segmentation", "data.root=unused")
+    assert (cfg.data.name, cfg.model.stem_stride, cfg.trainer.epochs) == ("mnist_seg", 2, 12)
 
 
 @pytest.mark.parametrize("overrides,needle", [

@@ -95,12 +95,15 @@ class SegConvNetModel(ModelConfig):
     name: str = "seg_convnet"
     channels: list[int] = field(default_factory=lambda: [16, 32, 64, 96])  # one stage each
     context: list[int] = field(default_factory=lambda: [2, 4])  # dilations on the last stage
+    stem_stride: int = 2  # 1: the first stage at full resolution (thin strokes, small inputs)
 
     def check(self) -> None:
         if len(self.channels) < 2 or any(c < 1 for c in self.channels):
             raise ConfigError(
                 f"model.channels={self.channels} needs two or more positive channel counts."
             )
+        if self.stem_stride not in (1, 2):
+            raise ConfigError(f"model.stem_stride={self.stem_stride} must be 1 or 2.")
         if any(d < 1 for d in self.context):
             raise ConfigError(
                 f"model.context={self.context} needs dilations >= 1 (or [] for none)."

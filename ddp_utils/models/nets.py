@@ -60,11 +60,12 @@ def conv_bn(c_in: int, c_out: int, stride: int = 1, dilation: int = 1) -> nn.Seq
 
 
 class SegConvNet(nn.Module):
-    """A small encoder-decoder for segmentation. Stage ``k`` works at 1/2**(k + 1) of the
-    input (two 3x3 conv blocks, the first strided); residual dilated 3x3 blocks on the last
-    stage (``context``) widen its view; the decoder upsamples each stage and adds the one above
-    it (a U-Net with sums), a 1x1 convolution scores every pixel at half the input's size, and
-    the scores are upsampled to the input's size.
+    """A small encoder-decoder for segmentation. The first stage works at 1/``stem_stride``
+    of the input, each further one at half the resolution of the one before (two 3x3 conv
+    blocks, the first strided); residual dilated 3x3 blocks on the last stage (``context``)
+    widen its view; the decoder upsamples each stage and adds the one above it (a U-Net with
+    sums), a 1x1 convolution scores every pixel at the first stage's resolution, and the
+    scores are upsampled to the input's size.
 
     Why this shape (measured, README "Segmentation"): a class needs the whole digit in view.
     The defaults' receptive field is 283 pixels (91 without the context blocks), where the
@@ -79,11 +80,13 @@ class SegConvNet(nn.Module):
         num_classes: int,
         channels: list[int] = (16, 32, 64, 96),
         context: list[int] = (2, 4),
+        stem_stride: int = 2,
     ) -> None:
         super().__init__()
         stages, c_in = [], in_channels
-        for c in channels:
-            stages.append(nn.Sequential(conv_bn(c_in, c, stride=2), conv_bn(c, c)))
+        for k, c in enumerate(channels):
+            stride = stem_stride if k == 0 else 2
+            stages.append(nn.Sequential(conv_bn(c_in, c, stride=stride), conv_bn(c, c)))
             c_in = c
         self.stages = nn.ModuleList(stages)
         self.context = nn.ModuleList(conv_bn(c_in, c_in, dilation=d) for d in context)
@@ -103,6 +106,7 @@ class SegConvNet(nn.Module):
             x = skip + nn.functional.interpolate(
                 lateral(x), size=skip.shape[-2:], mode="bilinear", align_corners=False
             )
-        return nn.functional.interpolate(
-            self.head(x), size=size, mode="bilinear", align_corners=False
-        )
+        scores = self.head(x)
+        if scores.shape[-2:] == size:
+            return scores
+        return nn.functional.interpolate(scores, size=size, mode="bilinear", align_corners=False)
