@@ -41,6 +41,7 @@ from ddp_utils.train.state import (
     build_training,
     check_runtime,
     global_batch,
+    no_sync,
     resolve_auto,
 )
 
@@ -97,7 +98,7 @@ def train_one_epoch(tr: Training) -> dict[str, float] | None:
         group_len = min(accum, n_batches - group_start)
         last_micro = i == group_start + group_len - 1
         # Only the last micro-batch of a group all-reduces its gradients.
-        with contextlib.nullcontext() if last_micro else tr.model.no_sync():
+        with contextlib.nullcontext() if last_micro else no_sync(tr.model):
             train_step(tr, images, labels, scale=1.0 / group_len)
         if last_micro:
             optimizer_step(tr)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -55,20 +55,39 @@ def resolve_auto(cfg: TrainConfig, rt: Runtime) -> TrainConfig:
 
 
 def wrap_ddp(raw_model: nn.Module, cfg: TrainerConfig, rt: Runtime) -> nn.Module:
-    """SyncBatchNorm if asked, DDP, and optionally torch.compile; returns the training module."""
+    """SyncBatchNorm if asked, DDP, and optionally torch.compile; returns the training module.
+
+    A single process trains its module directly: DDP at world size 1 changes no number (its
+    all-reduce over one rank is the identity) and only adds its reducer's hooks to every
+    backward (0.2-1 ms a step of experiment=lm_char's GPT, measured here)."""
     if cfg.sync_bn:
         raw_model = nn.SyncBatchNorm.convert_sync_batchnorm(raw_model)
     raw_model.to(rt.device, memory_format=memory_format_of(cfg.channels_last))
-    model: nn.Module = DDP(
-        raw_model,
-        device_ids=[rt.device.index] if rt.device.type == "cuda" else None,
-        bucket_cap_mb=cfg.bucket_cap_mb,
-        gradient_as_bucket_view=cfg.gradient_as_bucket_view,
-        static_graph=cfg.static_graph,
-    )
+    model = raw_model
+    if rt.world_size > 1:
+        model = DDP(
+            raw_model,
+            device_ids=[rt.device.index] if rt.device.type == "cuda" else None,
+            bucket_cap_mb=cfg.bucket_cap_mb,
+            gradient_as_bucket_view=cfg.gradient_as_bucket_view,
+            static_graph=cfg.static_graph,
+        )
     if cfg.compile:
         model = torch.compile(model)
     return model
+
+
+def unwrapped(model: nn.Module) -> nn.Module:
+    """The module ``wrap_ddp`` wrapped (inside torch.compile's and DDP's wrappers)."""
+    inner = getattr(model, "_orig_mod", model)
+    return inner.module if isinstance(inner, DDP) else inner
+
+
+def no_sync(model: nn.Module) -> AbstractContextManager:
+    """DDP's ``no_sync`` (gradients kept local until the group's last micro-batch); nothing
+    to hold back in a single process."""
+    inner = getattr(model, "_orig_mod", model)
+    return inner.no_sync() if isinstance(inner, DDP) else nullcontext()
 
 
 @dataclass
@@ -168,7 +187,7 @@ def build_training(
     task = build_task(cfg)
     raw_model = build_model(cfg.model, cfg.data, task.num_outputs())
     model = wrap_ddp(raw_model, t, rt)
-    raw_model = model.module if isinstance(model, DDP) else model._orig_mod.module
+    raw_model = unwrapped(model)
     metrics = build_metrics(cfg.task, task, rt.device)
     check_task(task, raw_model, metrics, cfg, rt.device)
     seed_everything(cfg.seed + rt.rank)
