@@ -286,6 +286,13 @@ def test_pystdlib_lists_sorted_sources_without_tests_and_prepares_once(tmp_path,
     assert (tmp_path / "c" / "train.bin").stat().st_mtime_ns == first
     assert resolved.num_classes == json.loads((tmp_path / "c" / "meta.json").read_text())[
         "vocab_size"]  # fmt: skip
+    # A cache cut by the former split rule (its key had no split version) is written again.
+    meta = json.loads((tmp_path / "c" / "meta.json").read_text())
+    meta["source"] = meta["source"].rsplit("-split", 1)[0]
+    (tmp_path / "c" / "meta.json").write_text(json.dumps(meta))
+    pystdlib.prepare_pystdlib(cfg)
+    assert (tmp_path / "c" / "train.bin").stat().st_mtime_ns != first
+    assert json.loads((tmp_path / "c" / "meta.json").read_text())["source"].endswith("-split2")
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep me")
     with pytest.raises(ConfigError, match="nothing there was changed"):

@@ -31,9 +31,14 @@ def stdlib_files() -> tuple[Path, list[Path]]:
     return root, sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 
+# The rule that cuts train from val; a new rule makes older caches stale (2: nanoGPT's
+# ``int(n * (1 - val_fraction))`` training characters, issue 33).
+SPLIT_RULE = 2
+
+
 def source_key(cfg: PyStdlibData) -> str:
     version = ".".join(map(str, sys.version_info[:3]))
-    return f"python{version}-{cfg.tokenizer}-val{cfg.val_fraction}"
+    return f"python{version}-{cfg.tokenizer}-val{cfg.val_fraction}-split{SPLIT_RULE}"
 
 
 def default_root(cfg: PyStdlibData) -> Path:
