@@ -60,7 +60,7 @@ def test_the_recipes_compose_and_validate():
     cfg = compose_train("experiment=digits_segmentation")
     assert (cfg.data.name, cfg.model.name, cfg.task.monitor) == (
         "digits_seg",
-        "seg_convnet",
+        "seg_convnet_fullres",
         "miou",
     )
     assert cfg.data.image_size == cfg.data.crop_size

@@ -175,6 +175,7 @@ MODEL_OPTIONS: dict[str, type[ModelConfig]] = {
     "timm": ZooModel,
     "custom": CustomModel,
     "seg_convnet": SegConvNetModel,
+    "seg_convnet_fullres": SegConvNetModel,  # the same network, a full-resolution preset
     "torchvision_seg": SegZooModel,
     "gpt": GPTModel,
     "hf": HFModel,
