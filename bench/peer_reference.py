@@ -139,6 +139,8 @@ def main() -> None:
     train.main(args)
     if prof is not None:
         prof.stop()
+    if dist.is_initialized():  # the reference leaves its group to the interpreter's exit,
+        dist.destroy_process_group()  # where gloo may abort ("terminate called ...")
 
 
 if __name__ == "__main__":

@@ -175,6 +175,11 @@ def chosen_options(args: list[str]) -> dict[str, str]:
     return {m[1]: m[2] for a in args if (m := re.match(r"[+~]*(\w+)=(\w*)$", a))}
 
 
+# The groups whose options decide how a checkpoint is scored (its optimizer and schedule do
+# not): eval.py composes with the checkpoint's own.
+SCORED_BY = ("data", "model", "task")
+
+
 def checkpoint_options(args: list[str]) -> list[str]:
     """``GROUP=OPTION`` overrides of the options stored in the ``checkpoint=PATH`` that
     ``args`` name, for each of data, model and task that ``args`` do not choose."""
@@ -188,8 +193,8 @@ def checkpoint_options(args: list[str]) -> list[str]:
     chosen = chosen_options(args)
     return [
         f"{group}={stored[group]['name']}"
-        for group, (_, options) in GROUPS.items()
-        if group not in chosen and stored.get(group, {}).get("name") in options
+        for group in SCORED_BY
+        if group not in chosen and stored.get(group, {}).get("name") in GROUPS[group][1]
     ]
 
 

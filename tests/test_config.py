@@ -41,6 +41,11 @@ def test_every_option_composes_and_validates(group, option):
     required = {
         ("data", "custom"): ["data._target_=imagefolders.digits_datasets"],
         ("model", "custom"): ["model._target_=ddp_utils.models.nets.MLP"],
+        ("optim", "custom"): ["optim._target_=torch.optim.RMSprop", "+optim.alpha=0.9"],
+        ("sched", "custom"): [
+            "sched._target_=torch.optim.lr_scheduler.ExponentialLR",
+            "+sched.gamma=0.99",
+        ],
         ("data", "tokens"): ["model=gpt", "task=language_model"],
         ("data", "pystdlib"): ["model=gpt", "task=language_model"],
         **{
@@ -112,13 +117,13 @@ def test_hydra_errors_read_as_one_paragraph():
     from ddp_utils.entry import hydra_error_paragraph
 
     for override, expected in [
-        ("optim.lrr=1", "Key 'lrr' not in 'OptimConfig'. Check the spelling"),
+        ("optim.lrr=1", "optim.lrr is not a key of optim=sgd; check its spelling"),
         ("model=nope", "model=nope is not an option; the options of model are: convnet"),
     ]:
         with pytest.raises(ConfigCompositionException) as e:
             compose_train(override)
         text = hydra_error_paragraph(e.value)
-        assert expected in text and "\n" not in text and "+optim" not in text
+        assert expected in text and "\n" not in text and "+optim.lrr" not in text
 
 
 def test_wrong_type_fails_naming_the_key():

@@ -80,8 +80,8 @@ def test_a_diverging_run_stops_with_one_message_and_saves_nothing_non_finite(tmp
 
 
 MISTAKES = {
-    "optim.lrr=0.1": "Key 'lrr' not in 'OptimConfig'",
-    "+optim.lrr=0.1": "optim.lrr is not a key of this config",
+    "optim.lrr=0.1": "optim.lrr is not a key of optim=sgd; check its spelling",
+    "+optim.lrr=0.1": "optim.lrr is not a key of optim=sgd; check its spelling",
     "trainer.epochs=abc": "trainer.epochs=abc: Value 'abc'",
     "model=resnet50x": "model=resnet50x is not an option; the options of model are: convnet",
     "model=model_schema": "model=model_schema is not an option",
@@ -110,7 +110,7 @@ def test_under_torchrun_a_mistake_and_cfg_print_once(tmp_path):
     assert proc.returncode != 0
     # Printed once (by rank 0, first), and it is torchrun's root cause instead of a traceback.
     printed = [x for x in proc.stderr.splitlines() if x.startswith("error: ")]
-    assert len(printed) == 1 and "Key 'lrr' not in 'OptimConfig'" in printed[0]
+    assert len(printed) == 1 and "optim.lrr is not a key of optim=sgd" in printed[0]
     assert "Traceback" not in proc.stderr.split(printed[0])[0]
     assert f"traceback : {printed[0]}" in proc.stderr
     proc = run_script("train.py", "--cfg", "job", nproc=2)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import MNIST_ROOT, compose_config, needs_mnist, read_metrics, run_forked, run_script
 
@@ -57,3 +58,28 @@ def test_mnist_two_ranks_two_epochs_reach_97_percent(tmp_path):
     last = read_metrics(tmp_path)[-1]
     assert last["val/num_samples"] == 2000
     assert last["val/accuracy"] >= 0.97, last
+
+
+def test_your_own_optimizer_and_schedule_by_target_train_and_resume_their_state(tmp_path):
+    """optim=custom and sched=custom (issue 34): any torch optimizer and scheduler by
+    ``_target_`` with ``+GROUP.NAME=VALUE`` arguments, at world size 2; the checkpoint holds
+    their state, and the lr is the schedule's after every optimizer step."""
+    args = ["model=mlp", "trainer.max_steps=6", "trainer.epochs=1", "optim=custom",
+            "optim._target_=torch.optim.RMSprop", "+optim.alpha=0.8", "optim.lr=0.002",
+            "sched=custom", "sched._target_=torch.optim.lr_scheduler.ExponentialLR",
+            "+sched.gamma=0.5", f"run_dir={tmp_path}/run", "trainer.precision=32"]  # fmt: skip
+    run_script("train.py", *args, nproc=2)
+    ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=False)
+    group = ckpt["optimizer"]["param_groups"][0]
+    assert group["alpha"] == 0.8 and group["lr"] == pytest.approx(0.002 * 0.5**6)
+    assert "square_avg" in next(iter(ckpt["optimizer"]["state"].values()))  # RMSprop's
+    assert ckpt["scheduler"]["gamma"] == 0.5
+
+
+def test_a_custom_optimizer_or_schedule_without_a_target_is_refused_naming_the_key(tmp_path):
+    for group, name in (("optim", "Optimizer"), ("sched", "Scheduler")):
+        proc = run_forked("train.py", f"{group}=custom", cwd=tmp_path)
+        assert proc.returncode == 2, proc.stderr
+        assert f"{group}=custom needs {group}._target_=pkg.module.{name}" in proc.stderr
+        assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "outputs").exists()

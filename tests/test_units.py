@@ -17,11 +17,12 @@ from torch.utils.data import DistributedSampler
 from ddp_utils.config import (
     ConfigError,
     ConvNetModel,
+    CosineSched,
     DataConfig,
     DigitsData,
-    SchedConfig,
     TorchvisionData,
     TrainerConfig,
+    option_schema,
 )
 from ddp_utils.data import Preprocess, load_split
 from ddp_utils.data.preprocess import random_crop_flip
@@ -120,7 +121,8 @@ def test_distributed_sampler_pads_which_is_why_eval_does_not_use_it():
 
 @pytest.mark.parametrize("name", ["none", "cosine", "step"])
 def test_warmup_then_schedule(name):
-    cfg = SchedConfig(name=name, warmup_steps=10, warmup_start_factor=0.1, step_epochs=1, gamma=0.5)
+    kw = {"step_epochs": 1, "gamma": 0.5} if name == "step" else {}
+    cfg = option_schema("sched", name)(warmup_steps=10, warmup_start_factor=0.1, **kw)
     factors = [
         lr_factor(cfg, s, total_steps=100, steps_per_epoch=20, base_lr=0.1) for s in range(100)
     ]
@@ -135,7 +137,7 @@ def test_warmup_then_schedule(name):
 
 
 def test_warmup_epochs_count_in_optimizer_steps():
-    cfg = SchedConfig(name="cosine", warmup_epochs=2, warmup_start_factor=0.5)
+    cfg = CosineSched(warmup_epochs=2, warmup_start_factor=0.5)
     factors = [lr_factor(cfg, s, total_steps=50, steps_per_epoch=5, base_lr=0.1) for s in range(50)]
     assert factors[0] == pytest.approx(0.5) and factors[5] == pytest.approx(0.75)
     assert factors[10] == pytest.approx(1.0) and factors[11] < 1.0

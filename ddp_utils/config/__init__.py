@@ -35,12 +35,22 @@ from ddp_utils.config.model import (
     SegZooModel,
     ZooModel,
 )
+from ddp_utils.config.optim import (
+    AdamWOptim,
+    CosineSched,
+    CustomOptim,
+    CustomSched,
+    OneCycleSched,
+    OptimConfig,
+    PolySched,
+    SchedConfig,
+    SGDOptim,
+    StepSched,
+)
 from ddp_utils.config.options import option_schema, options_help, own_keys
 from ddp_utils.config.schema import (
     EvalConfig,
     GenerateConfig,
-    OptimConfig,
-    SchedConfig,
     TrainConfig,
     TrainerConfig,
     as_plain_dict,
@@ -63,7 +73,9 @@ __all__ = [
     "SegFolderData", "SegZooModel", "SegmentationData", "SegmentationTask", "StreamedData",
     "SyntheticData", "TaskConfig", "TorchvisionData", "TrainConfig", "TrainerConfig",
     "VOCData", "ZooModel", "TokenData", "PyStdlibData", "GPTModel", "HFModel",
-    "LanguageModelTask", "as_plain_dict", "channels_last_on", "collect_target_kwargs",
+    "LanguageModelTask", "AdamWOptim", "CosineSched", "CustomOptim", "CustomSched",
+    "OneCycleSched", "PolySched", "SGDOptim", "StepSched", "as_plain_dict", "channels_last_on",
+    "collect_target_kwargs",
     "from_record",
     "option_defaults", "option_schema", "options_help", "own_keys", "register_configs",
     "skips_bad_images", "to_schema", "unknown_keys", "validate", "whole_sentences",

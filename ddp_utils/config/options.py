@@ -1,5 +1,6 @@
-"""The groups whose options each have a schema (data, model, task): which schema an option
-has, the keys it has of its own, and the messages and help text that name them."""
+"""The groups whose options each have a schema (data, model, task, optim, sched): which
+schema an option has, the keys it has of its own, and the messages and help text that name
+them."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import fields
 
 from ddp_utils.config.data import DATA_OPTIONS, DataConfig
 from ddp_utils.config.model import MODEL_OPTIONS, ModelConfig
+from ddp_utils.config.optim import OPTIM_OPTIONS, SCHED_OPTIONS, OptimConfig, SchedConfig
 from ddp_utils.config.task import TASK_OPTIONS, TaskConfig
 
 # group -> (the keys every option has, {option: its schema})
@@ -15,6 +17,8 @@ GROUPS: dict[str, tuple[type, dict[str, type]]] = {
     "data": (DataConfig, DATA_OPTIONS),
     "model": (ModelConfig, MODEL_OPTIONS),
     "task": (TaskConfig, TASK_OPTIONS),
+    "optim": (OptimConfig, OPTIM_OPTIONS),
+    "sched": (SchedConfig, SCHED_OPTIONS),
 }
 ARGUMENTS = "kwargs"  # the custom options' +GROUP.NAME=VALUE arguments
 

@@ -20,6 +20,7 @@ from ddp_utils.config.data import DataConfig, DigitsData, SegmentationData, Toke
 from ddp_utils.config.errors import ConfigError, check_choice, check_fraction, check_positive
 from ddp_utils.config.logger import LoggerOptions, logger_names
 from ddp_utils.config.model import ConvNetModel, ModelConfig
+from ddp_utils.config.optim import OneCycleSched, OptimConfig, SchedConfig, SGDOptim
 from ddp_utils.config.options import (
     ARGUMENTS,
     GROUPS,
@@ -31,40 +32,10 @@ from ddp_utils.config.options import (
 )
 from ddp_utils.config.task import TaskConfig
 
-OPTIMIZERS = ("sgd", "adamw")
-SCHEDULERS = ("none", "cosine", "step", "onecycle", "poly")
 PRECISIONS = ("auto", "32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "nccl", "gloo")
 PROGRESS = ("auto", "true", "false")
-
-
-@dataclass
-class OptimConfig:
-    name: str = "sgd"
-    lr: float = 0.1
-    momentum: float = 0.9
-    nesterov: bool = False
-    weight_decay: float = 0.0
-    norm_weight_decay: float | None = None  # normalisation layers; null = weight_decay
-    bias_weight_decay: float | None = None  # biases; null = weight_decay
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    # Weight decay on weights of 2 or more dimensions only (nanoGPT's rule): biases and
-    # normalisation gains (1-D) take none, whatever norm/bias_weight_decay say.
-    decay_2d_only: bool = False
-
-
-@dataclass
-class SchedConfig:
-    name: str = "onecycle"
-    warmup_steps: int = 0  # linear warmup from warmup_start_factor * lr
-    warmup_epochs: int = 0  # the same in epochs (one of the two)
-    warmup_start_factor: float = 0.1
-    min_lr: float = 0.0  # cosine
-    step_epochs: int = 10  # step: decay every this many epochs
-    gamma: float = 0.1  # step
-    pct_start: float = 0.3  # onecycle
-    power: float = 0.9  # poly: lr x (1 - progress) ** power
 
 
 @dataclass
@@ -103,8 +74,8 @@ class TrainConfig:
     # Typed by each group's base; the chosen option's schema is merged in at composition.
     model: ModelConfig = field(default_factory=ConvNetModel)
     data: DataConfig = field(default_factory=DigitsData)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    sched: SchedConfig = field(default_factory=SchedConfig)
+    optim: OptimConfig = field(default_factory=SGDOptim)
+    sched: SchedConfig = field(default_factory=OneCycleSched)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     seed: int = 0
@@ -224,10 +195,8 @@ def channels_last_on(value: bool | str) -> bool:
 
 
 def check_run(cfg: TrainConfig) -> None:
-    """The groups without options of their own schema: optim, sched, trainer, the top level."""
-    o, s, t = cfg.optim, cfg.sched, cfg.trainer
-    check_choice("optim.name", o.name, OPTIMIZERS)
-    check_choice("sched.name", s.name, SCHEDULERS)
+    """The groups without options of their own schema: trainer, the top level."""
+    t = cfg.trainer
     check_choice("trainer.precision", t.precision, PRECISIONS)
     check_choice("trainer.device", t.device, DEVICES)
     check_choice("trainer.backend", t.backend, BACKENDS)
@@ -237,7 +206,6 @@ def check_run(cfg: TrainConfig) -> None:
     t.channels_last = str(t.channels_last).lower()
     check_choice("trainer.channels_last", t.channels_last, PROGRESS)  # auto | true | false
     for key, value in (
-        ("optim.lr", o.lr),
         ("trainer.epochs", t.epochs),
         ("trainer.max_steps", t.max_steps),
         ("trainer.val_every_steps", t.val_every_steps),
@@ -248,41 +216,14 @@ def check_run(cfg: TrainConfig) -> None:
         ("trainer.ckpt_every_steps", t.ckpt_every_steps),
         ("trainer.keep_last", t.keep_last),
         ("trainer.bucket_cap_mb", t.bucket_cap_mb),
-        ("sched.step_epochs", s.step_epochs),
-        ("sched.power", s.power),
         ("trainer.ema_every_steps", t.ema_every_steps),
     ):
         check_positive(key, value)
-    for key, value in (
-        ("optim.weight_decay", o.weight_decay),
-        ("optim.momentum", o.momentum),
-        ("sched.warmup_steps", s.warmup_steps),
-        ("sched.min_lr", s.min_lr),
-        ("sched.warmup_epochs", s.warmup_epochs),
-        ("optim.norm_weight_decay", o.norm_weight_decay),
-        ("optim.bias_weight_decay", o.bias_weight_decay),
-    ):
-        check_positive(key, value, allow_zero=True)
     check_fraction("trainer.label_smoothing", t.label_smoothing)
-    if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
-        raise ConfigError(
-            f"optim.betas={list(o.betas)} needs two values in [0, 1), e.g. [0.9,0.95]."
-        )
     if t.ema_decay is not None and not 0.0 < t.ema_decay < 1.0:
         raise ConfigError(
             f"trainer.ema_decay={t.ema_decay} must lie in (0, 1); null turns EMA off."
         )
-    if s.warmup_steps and s.warmup_epochs:
-        raise ConfigError(
-            "sched.warmup_steps and sched.warmup_epochs are both set: keep one, set the other to 0."
-        )
-    if s.name == "onecycle" and (s.warmup_steps or s.warmup_epochs):
-        raise ConfigError(
-            "sched=onecycle warms up by itself (sched.pct_start): set sched.warmup_steps=0 and "
-            "sched.warmup_epochs=0."
-        )
-    if not 0.0 < s.warmup_start_factor <= 1.0:
-        raise ConfigError("sched.warmup_start_factor must lie in (0, 1].")
 
 
 def collect_target_kwargs(cfg: DictConfig, schema: type = TrainConfig) -> None:
