@@ -27,7 +27,7 @@ def load_generator(cfg: GenerateConfig, device: torch.device) -> tuple[nn.Module
     ckpt = load_checkpoint(cfg.checkpoint)
     spec = ckpt.get("tokenizer")
     train_cfg = to_schema(from_record(ckpt["config"]))
-    if spec is None or train_cfg.task.name != "language_model":
+    if spec is None or not train_cfg.task.generates:
         raise ConfigError(
             f"checkpoint={cfg.checkpoint} holds no language model with a tokenizer (it was "
             f"trained with task={train_cfg.task.name} on data={train_cfg.data.name}): give a "

@@ -236,3 +236,29 @@ def test_eval_composes_with_the_checkpoints_own_options(tmp_path):
     assert checkpoint_options(["data.root=/x"]) == []
     with pytest.raises(ConfigError, match="no such file"):
         checkpoint_options([f"checkpoint={tmp_path}/nope.pt"])
+
+
+def test_data_and_task_pair_by_what_they_declare_not_by_name():
+    """Issue 34: a new kind of data and the task that takes it pair through their
+    declarations (``holds``, ``takes``), with no edit to the core's check."""
+    from dataclasses import dataclass
+    from typing import ClassVar
+
+    from ddp_utils.config import DataConfig, DigitsData, TaskConfig
+    from ddp_utils.config.schema import check_pairing
+
+    @dataclass
+    class BoxData(DataConfig):
+        holds: ClassVar[str] = "boxes"
+        wrong_task: ClassVar[str] = "data={data} holds boxes: use task=boxes."
+
+    @dataclass
+    class BoxTask(TaskConfig):
+        takes: ClassVar[str | None] = "boxes"
+        other_data: ClassVar[str] = "task=boxes needs box data (this is data={data})."
+
+    check_pairing(TrainConfig(data=BoxData(name="mine"), task=BoxTask(name="boxes")))
+    with pytest.raises(ConfigError, match=r"^data=mine holds boxes: use task=boxes\.$"):
+        check_pairing(TrainConfig(data=BoxData(name="mine")))  # the classification task
+    with pytest.raises(ConfigError, match=r"^task=boxes needs box data \(this is data=digits"):
+        check_pairing(TrainConfig(data=DigitsData(), task=BoxTask(name="boxes")))

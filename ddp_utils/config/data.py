@@ -7,7 +7,7 @@ another option (``data=digits data.train_dir=x``) is refused at composition, by 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from ddp_utils.config.errors import ConfigError, check_choice, check_fraction, check_positive
 
@@ -37,6 +37,13 @@ def check_holdout(val_fraction: float, val_slice: int | None) -> None:
 @dataclass
 class DataConfig:
     """Every data option's keys: batching, loading, and what the model is sized for."""
+
+    # What an item's target is (a declaration of the option, not a key): "labels" (one class
+    # per image), "masks" (one per pixel) or "tokens" (next-token ids); a task says which it
+    # takes. ``wrong_task`` is what to say to a task that does not take it ({data}: the
+    # option's name).
+    holds: ClassVar[str] = "labels"
+    wrong_task: ClassVar[str] = ""
 
     name: str = "digits"  # the option's name: digits | mnist | imagefolder | ...
     batch_size: int = 100  # per process
@@ -186,6 +193,12 @@ class SegmentationData(DataConfig):
     """What the segmentation options share: (image, index mask) pairs, transformed jointly
     per sample in the loader's workers (``ddp_utils.data.segmentation``)."""
 
+    holds: ClassVar[str] = "masks"
+    wrong_task: ClassVar[str] = (
+        "data={data} holds masks: train it with task=segmentation (and a segmentation model: "
+        "model=seg_convnet | torchvision_seg), or start from experiment=digits_segmentation."
+    )
+
     name: str = "digits_seg"
     # A mask value that is never counted and never in the loss (VOC's object borders).
     ignore_index: int = 255
@@ -314,6 +327,12 @@ TOKENIZERS = ("char", "bytes")  # data=pystdlib's; prepare_text also has bpe
 class TokenData(DataConfig):
     """data=tokens: nanoGPT's layout, root/train.bin and root/val.bin (flat token ids, read
     with numpy.memmap) and root/meta.json (vocab_size, dtype, the tokenizer)."""
+
+    holds: ClassVar[str] = "tokens"
+    wrong_task: ClassVar[str] = (
+        "data={data} holds token ids: train it with task=language_model and model=gpt (or "
+        "model=hf | custom), or start from experiment=lm_char."
+    )
 
     name: str = "tokens"
     root: str | None = "data"

@@ -31,6 +31,9 @@ class ModelConfig:
     def check(self) -> None:
         """Value ranges the types cannot express; ConfigError naming the key."""
 
+    def check_with(self, data: Any) -> None:
+        """What the option needs of the data config (its image size, ...); ConfigError."""
+
 
 @dataclass
 class ConvNetModel(ModelConfig):
@@ -43,6 +46,12 @@ class ConvNetModel(ModelConfig):
     def check(self) -> None:
         if not self.channels or any(c < 1 for c in self.channels):
             raise ConfigError(f"model.channels={self.channels} needs positive channel counts.")
+
+    def check_with(self, data: Any) -> None:
+        if data.image_size < 4:
+            raise ConfigError(
+                f"model=convnet pools twice: data.image_size={data.image_size} must be >= 4."
+            )
 
 
 @dataclass

@@ -16,7 +16,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from ddp_utils.config.data import DataConfig, DigitsData, SegmentationData, TokenData
+from ddp_utils.config.data import DataConfig, DigitsData
 from ddp_utils.config.errors import ConfigError, check_choice, check_fraction, check_positive
 from ddp_utils.config.logger import LoggerOptions, logger_names
 from ddp_utils.config.model import ConvNetModel, ModelConfig
@@ -153,39 +153,19 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         node.check()
     check_run(cfg)
     check_pairing(cfg)
-    if cfg.model.name == "convnet" and cfg.data.image_size < 4:
-        raise ConfigError(
-            f"model=convnet pools twice: data.image_size={cfg.data.image_size} must be >= 4."
-        )
+    cfg.model.check_with(cfg.data)
     return cfg
 
 
 def check_pairing(cfg: TrainConfig) -> None:
-    """Masks need a per-pixel task and token ids a language model, and each of those tasks
-    needs its data."""
-    masks, tokens = isinstance(cfg.data, SegmentationData), isinstance(cfg.data, TokenData)
-    if cfg.task.name == "segmentation" and not masks:
-        raise ConfigError(
-            f"task=segmentation needs image/mask data: data=segfolder | voc | digits_seg | "
-            f"mnist_seg (this is data={cfg.data.name}); experiment=digits_segmentation sets "
-            "all of it."
-        )
-    if cfg.task.name == "language_model" and not tokens:
-        raise ConfigError(
-            f"task=language_model needs token data: data=tokens data.root=DIR or data=pystdlib "
-            f"(this is data={cfg.data.name}); experiment=lm_char sets all of it."
-        )
-    if masks and cfg.task.name == "classification":
-        raise ConfigError(
-            f"data={cfg.data.name} holds masks: train it with task=segmentation (and a "
-            "segmentation model: model=seg_convnet | torchvision_seg), or start from "
-            "experiment=digits_segmentation."
-        )
-    if tokens and cfg.task.name in ("classification", "segmentation"):
-        raise ConfigError(
-            f"data={cfg.data.name} holds token ids: train it with task=language_model and "
-            "model=gpt (or model=hf | custom), or start from experiment=lm_char."
-        )
+    """A task takes one kind of data (its ``takes``; a data option ``holds`` one kind): the
+    task says what it needs, or, for the image-label tasks, the data says what it needs."""
+    task, data = cfg.task, cfg.data
+    if task.takes is None or task.takes == data.holds:
+        return
+    message = task.other_data or data.wrong_task
+    assert message, f"{type(task).__name__} and {type(data).__name__} declare no message"
+    raise ConfigError(message.format(data=data.name))
 
 
 def channels_last_on(value: bool | str) -> bool:

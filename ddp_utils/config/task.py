@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from ddp_utils.config.errors import ConfigError, check_choice
 
@@ -26,6 +26,12 @@ class TaskConfig:
     # Metrics on top of the task's defaults: NAME -> {_target_: a torchmetrics.Metric, ARG:
     # VALUE}; NAME: null drops a default. Logged as val/NAME (scalars) and in eval.json.
     metrics: dict[str, Any] = field(default_factory=dict)
+    # Declarations of the option, not keys: which data it takes (a data option's ``holds``;
+    # None: any), what to say to data it does not take ({data}: that option's name; empty:
+    # the data's own message), and whether its checkpoints generate text (generate.py).
+    takes: ClassVar[str | None] = "labels"
+    other_data: ClassVar[str] = ""
+    generates: ClassVar[bool] = False
 
     def check(self) -> None:
         """Value ranges the types cannot express; ConfigError naming the key."""
@@ -35,6 +41,8 @@ class TaskConfig:
 @dataclass
 class CustomTask(TaskConfig):
     """task=custom: your ddp_utils.tasks.Task subclass."""
+
+    takes: ClassVar[str | None] = None  # yours says what it reads
 
     name: str = "custom"
     monitor: str = "loss"
@@ -54,6 +62,12 @@ class CustomTask(TaskConfig):
 class SegmentationTask(TaskConfig):
     """task=segmentation: per-pixel cross-entropy (and the auxiliary head's), mean IoU."""
 
+    takes: ClassVar[str | None] = "masks"
+    other_data: ClassVar[str] = (
+        "task=segmentation needs image/mask data: data=segfolder | voc | digits_seg | "
+        "mnist_seg (this is data={data}); experiment=digits_segmentation sets all of it."
+    )
+
     _target_: str = "ddp_utils.tasks.segmentation.Segmentation"
     name: str = "segmentation"
     monitor: str = "miou"
@@ -69,6 +83,13 @@ class SegmentationTask(TaskConfig):
 class LanguageModelTask(TaskConfig):
     """task=language_model: next-token cross-entropy summed over tokens; val/loss,
     val/perplexity and (where the tokenizer knows bytes per token) val/bits_per_byte."""
+
+    takes: ClassVar[str | None] = "tokens"
+    other_data: ClassVar[str] = (
+        "task=language_model needs token data: data=tokens data.root=DIR or data=pystdlib "
+        "(this is data={data}); experiment=lm_char sets all of it."
+    )
+    generates: ClassVar[bool] = True
 
     _target_: str = "ddp_utils.tasks.language_model.LanguageModel"
     name: str = "language_model"
