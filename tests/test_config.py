@@ -145,11 +145,13 @@ def test_wrong_type_fails_naming_the_key():
         ("data.val_fraction=1.5", "data.val_fraction"),
         ("data.in_channels=3", "data.in_channels"),
         ("data.image_size=2", "data.image_size"),
+        ("sched.pct_start=1.5", "sched.pct_start"),
+        ("optim.nesterov=true optim.momentum=0", "optim.nesterov"),
     ],
 )
 def test_bad_values_raise_value_error_naming_the_key(override, key):
     with pytest.raises(ValueError) as e:
-        to_schema(compose_train(override))
+        to_schema(compose_train(*override.split()))
     assert isinstance(e.value, ConfigError)
     assert key in str(e.value)
 

@@ -241,6 +241,7 @@ def test_lm_char_recipe_and_gpt2_124m_compose_with_their_shapes():
     c = compose_config("experiment=lm_char")
     assert (c.model.n_layer, c.model.n_head, c.model.n_embd, c.model.dropout) == (4, 4, 128, 0.0)
     assert (c.data.name, c.data.block_size, c.data.batch_size) == ("pystdlib", 64, 12)
+    assert c.data.eval_batch_size == 64  # measured fastest for one exact validation
     assert (c.trainer.max_steps, c.optim.lr, c.sched.min_lr, c.optim.betas[1]) == (
         2000, 1e-3, 1e-4, 0.99)  # fmt: skip
     assert (c.sched.warmup_steps, c.trainer.grad_clip, c.task.monitor) == (100, 1.0, "loss")

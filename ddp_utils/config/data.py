@@ -9,7 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from ddp_utils.config.errors import ConfigError, check_choice, check_fraction, check_positive
+from ddp_utils.config.errors import (
+    ConfigError,
+    check_choice,
+    check_fraction,
+    check_positive,
+    needs_target,
+)
 
 SPLITS = ("train", "val")
 LOADERS = ("auto", "tensor", "torch")
@@ -181,9 +187,8 @@ class CustomData(StreamedData):
 
     def check(self) -> None:
         if not self._target_:
-            raise ConfigError(
-                "data=custom needs data._target_=pkg.module.fn: a callable that returns (train, "
-                "val) data sets; pass its arguments as +data.NAME=VALUE."
+            raise needs_target(
+                "data", "pkg.module.fn: a callable that returns (train, val) data sets"
             )
         super().check()
 

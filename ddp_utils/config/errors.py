@@ -23,6 +23,15 @@ def whole_sentences(text: str, limit: int = 240) -> str:
     return text[: end + 1] if end > 0 else ""
 
 
+def needs_target(group: str, target: str) -> ConfigError:
+    """``GROUP=custom`` without its own ``_target_`` (``target``: what to give, by example):
+    one message for every group."""
+    return ConfigError(
+        f"{group}=custom needs {group}._target_={target}; pass its arguments as "
+        f"+{group}.NAME=VALUE."
+    )
+
+
 def check_choice(key: str, value: str, options: tuple[str, ...]) -> None:
     if value not in options:
         raise ConfigError(f"{key}={value!r} is not one of {', '.join(options)}; pick one of those.")

@@ -7,9 +7,12 @@ The builder offers an option's own keys (``channels``, ``hidden``, ``arch``, ...
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from ddp_utils.config.errors import ConfigError, check_positive
+from ddp_utils.config.errors import ConfigError, check_positive, needs_target
+
+if TYPE_CHECKING:
+    from ddp_utils.config.data import DataConfig
 
 DEFAULT_MODEL = "ddp_utils.models.nets.ConvNet"
 
@@ -31,7 +34,7 @@ class ModelConfig:
     def check(self) -> None:
         """Value ranges the types cannot express; ConfigError naming the key."""
 
-    def check_with(self, data: Any) -> None:
+    def check_with(self, data: DataConfig) -> None:
         """What the option needs of the data config (its image size, ...); ConfigError."""
 
 
@@ -47,7 +50,7 @@ class ConvNetModel(ModelConfig):
         if not self.channels or any(c < 1 for c in self.channels):
             raise ConfigError(f"model.channels={self.channels} needs positive channel counts.")
 
-    def check_with(self, data: Any) -> None:
+    def check_with(self, data: DataConfig) -> None:
         if data.image_size < 4:
             raise ConfigError(
                 f"model=convnet pools twice: data.image_size={data.image_size} must be >= 4."
@@ -90,9 +93,8 @@ class CustomModel(ModelConfig):
 
     def check(self) -> None:
         if self._target_ == DEFAULT_MODEL:
-            raise ConfigError(
-                "model=custom needs model._target_=pkg.module.Class (a torch.nn.Module, or a "
-                "function returning one); pass its arguments as +model.NAME=VALUE."
+            raise needs_target(
+                "model", "pkg.module.Class (a torch.nn.Module, or a function returning one)"
             )
 
 

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ddp_utils.config.errors import ConfigError, check_positive
+from ddp_utils.config.errors import ConfigError, check_positive, needs_target
 
 
 @dataclass
@@ -94,10 +94,10 @@ class CustomOptim(OptimConfig):
     def check(self) -> None:
         super().check()
         if not self._target_:
-            raise ConfigError(
-                "optim=custom needs optim._target_=pkg.module.Optimizer (a torch.optim "
-                "class, or a function of (params, lr, ...) returning one); pass its arguments "
-                "as +optim.NAME=VALUE."
+            raise needs_target(
+                "optim",
+                "pkg.module.Optimizer (a torch.optim class, or a function of (params, lr, ...) "
+                "returning one)",
             )
 
 
@@ -234,10 +234,8 @@ class CustomSched(SchedConfig):
     def check(self) -> None:
         super().check()
         if not self._target_:
-            raise ConfigError(
-                "sched=custom needs sched._target_=pkg.module.Scheduler (a torch "
-                "LRScheduler class, given the optimizer); pass its arguments as "
-                "+sched.NAME=VALUE."
+            raise needs_target(
+                "sched", "pkg.module.Scheduler (a torch LRScheduler class, given the optimizer)"
             )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from ddp_utils.config.errors import ConfigError, check_choice
+from ddp_utils.config.errors import ConfigError, check_choice, needs_target
 
 MONITOR_MODES = ("max", "min")
 DEFAULT_TASK = "ddp_utils.tasks.classification.Classification"
@@ -52,10 +52,7 @@ class CustomTask(TaskConfig):
     def check(self) -> None:
         super().check()
         if self._target_ == DEFAULT_TASK:
-            raise ConfigError(
-                "task=custom needs task._target_=pkg.module.MyTask (a ddp_utils.tasks.Task "
-                "subclass); pass its arguments as +task.NAME=VALUE."
-            )
+            raise needs_target("task", "pkg.module.MyTask (a ddp_utils.tasks.Task subclass)")
 
 
 @dataclass

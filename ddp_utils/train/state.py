@@ -54,8 +54,9 @@ def resolve_auto(cfg: TrainConfig, rt: Runtime) -> TrainConfig:
     return dataclasses.replace(cfg, trainer=trainer)
 
 
-def wrap_ddp(raw_model: nn.Module, cfg: TrainerConfig, rt: Runtime) -> nn.Module:
-    """SyncBatchNorm if asked, DDP, and optionally torch.compile; returns the training module.
+def wrap_ddp(raw_model: nn.Module, cfg: TrainerConfig, rt: Runtime) -> tuple[nn.Module, nn.Module]:
+    """SyncBatchNorm if asked, DDP, and optionally torch.compile; returns the training module
+    and the unwrapped one inside it.
 
     A single process trains its module directly: DDP at world size 1 changes no number (its
     all-reduce over one rank is the identity) and only adds its reducer's hooks to every
@@ -74,13 +75,7 @@ def wrap_ddp(raw_model: nn.Module, cfg: TrainerConfig, rt: Runtime) -> nn.Module
         )
     if cfg.compile:
         model = torch.compile(model)
-    return model
-
-
-def unwrapped(model: nn.Module) -> nn.Module:
-    """The module ``wrap_ddp`` wrapped (inside torch.compile's and DDP's wrappers)."""
-    inner = getattr(model, "_orig_mod", model)
-    return inner.module if isinstance(inner, DDP) else inner
+    return model, raw_model
 
 
 def no_sync(model: nn.Module) -> AbstractContextManager:
@@ -186,8 +181,7 @@ def build_training(
     seed_everything(cfg.seed)
     task = build_task(cfg)
     raw_model = build_model(cfg.model, cfg.data, task.num_outputs())
-    model = wrap_ddp(raw_model, t, rt)
-    raw_model = unwrapped(model)
+    model, raw_model = wrap_ddp(raw_model, t, rt)
     metrics = build_metrics(cfg.task, task, rt.device)
     check_task(task, raw_model, metrics, cfg, rt.device)
     seed_everything(cfg.seed + rt.rank)
