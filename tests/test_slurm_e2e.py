@@ -6,7 +6,9 @@ from __future__ import annotations
 import csv
 import json
 import os
+import random
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -18,7 +20,6 @@ from conftest import (
     ROOT,
     assert_same_params,
     child_env,
-    free_port,
     params,
     read_metrics,
     run_script,
@@ -41,14 +42,54 @@ RUN = ("trainer.epochs=2", "data.batch_size=10", "trainer.ckpt_every_steps=10",
 CPU_NODE = ("--nodes=1", "--gpus-per-node=0")
 
 
+def controller_ports() -> int:
+    """P such that P (slurmctld) and P+1 (slurmd) are free on every interface. Drawn below the
+    kernel's ephemeral range, which the torchrun tests of the other worker keep using for their
+    own connections (a port free a moment ago could be one of theirs by the time slurmctld
+    binds it)."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32000, 2)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("", port))
+                b.bind(("", port + 1))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no two free neighbouring ports between 20000 and 32000")
+
+
+def start_cluster(folder: Path) -> tuple[dict[str, str], str]:
+    """(environment, "") once the cluster runs, or (environment, what went wrong)."""
+    env = child_env(PATH=os.pathsep.join([str(Path(sys.executable).parent), SBIN]),
+                    LOCAL_SLURM_PORT=str(controller_ports()),
+                    SLURM_CONF=str(folder / "slurm.conf"))  # fmt: skip
+    proc = subprocess.run([CLUSTER, "start", folder], env=env, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    if proc.returncode == 0:
+        return env, ""
+    logs = "".join(f"\n--- {log.name} (end)\n" + "\n".join(log.read_text().splitlines()[-30:])
+                   for log in sorted(folder.glob("*.log")))  # fmt: skip
+    subprocess.run([CLUSTER, "stop", folder], env=env, timeout=120)
+    return env, f"exit {proc.returncode}\n{proc.stdout}{proc.stderr}{logs}"
+
+
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
-    """A running single-node cluster; yields the environment its clients need."""
-    folder = tmp_path_factory.mktemp("slurm")
-    port = free_port()
-    env = child_env(PATH=os.pathsep.join([str(Path(sys.executable).parent), SBIN]),
-                    LOCAL_SLURM_PORT=str(port), SLURM_CONF=str(folder / "slurm.conf"))  # fmt: skip
-    subprocess.run([CLUSTER, "start", folder], env=env, check=True, timeout=60)
+    """A running single-node cluster; yields the environment its clients need. A start that
+    fails is tried once more in a fresh folder on other ports, and reports the daemons' logs."""
+    failures = []
+    for _ in range(2):
+        folder = tmp_path_factory.mktemp("slurm")
+        env, failure = start_cluster(folder)
+        if not failure:
+            break
+        failures.append(failure)
+    else:
+        pytest.fail("the local SLURM cluster did not start:\n" + "\n\n".join(failures))
+    if failures:
+        print("the first start failed, the second worked:\n" + failures[0])
     try:
         yield env
     finally:

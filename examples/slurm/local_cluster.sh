@@ -88,8 +88,10 @@ start() {
     alive slurmctld || slurmctld -f "$conf"
     alive slurmd || slurmd -f "$conf"
     # `idle*` would be a node that does not answer yet: wait for exactly `idle` (or busy).
-    if ! wait_for 30 bash -c '[[ $(sinfo -h -N -o %t 2>/dev/null | head -n 1) =~ ^(idle|mix|alloc)$ ]]'; then
-        echo "error: the node did not come up (state '$(node_state)'); see $dir/*.log" >&2
+    # A loaded machine can take a while to register the node: 60 s before giving up.
+    if ! wait_for 60 bash -c '[[ $(sinfo -h -N -o %t 2>/dev/null | head -n 1) =~ ^(idle|mix|alloc)$ ]]'; then
+        echo "error: the node did not come up (state '$(node_state)'); the logs' last lines:" >&2
+        tail -n 15 "$dir"/*.log >&2 || true
         exit 1
     fi
     echo "SLURM_CONF=$conf"
