@@ -68,7 +68,7 @@ def describe(cfg: dict[str, Any]) -> str:
 def default_output(checkpoint: Path) -> Path:
     """``<run_dir>/eval.json`` for a checkpoint at ``<run_dir>/checkpoints/*.pt``."""
     parent = checkpoint.resolve().parent
-    run_dir = parent.parent if parent.name == "checkpoints" else parent
+    run_dir = parent.parent if parent.match("checkpoints") else parent
     return run_dir / "eval.json"
 
 

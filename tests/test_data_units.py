@@ -348,3 +348,38 @@ def test_the_end_of_training_stops_the_loaders_workers(folder):
     Training.close(SimpleNamespace(data=data, **helpers), drain=False)
     assert not any(w.is_alive() for w in workers)
     helpers["stop"].close.assert_called_once_with(False)
+
+
+def test_a_data_family_outside_the_package_is_built_from_its_schema_alone():
+    """A new family is its module and its schema (which names the module): build_data,
+    build_eval_data, resolve_data and offered_by_data call it with no edit to the package."""
+    from ramp_family import RampData
+
+    from ddp_utils.data import offered_by_data, resolve_data
+
+    cfg = resolve_data(RampData(batch_size=4), RT)
+    assert cfg.resolved
+    assert offered_by_data(cfg) == cfg.sizes() | {"ramp_length": 30}
+    shards = []
+    for rank in range(3):
+        rt = Runtime(rank, rank, 3, 3, torch.device("cpu"), "gloo")
+        bundle = build_data(cfg, rt, seed=0)
+        for loader, seen in ((bundle.train, []), (bundle.val, shards)):
+            for images, labels in loader:
+                seen += [
+                    int(v) for v, lab in zip(images[:, 0, 0, 0], labels, strict=True) if lab >= 0
+                ]
+        loader, preprocess, classes = build_eval_data(cfg, rt, seed=0)
+        assert classes is None and len(loader.sampler) in (3, 4)
+    assert sorted(shards) == list(range(100, 111))  # every validation sample exactly once
+
+
+def test_a_family_module_without_its_builders_is_named(monkeypatch):
+    from ramp_family import RampData
+
+    monkeypatch.setattr(RampData, "family", "ddp_utils.data.cache")  # a module, not a family
+    with pytest.raises(ConfigError, match=r"ddp_utils.data.cache lacks build, build_eval"):
+        build_data(RampData(), RT, seed=0)
+    monkeypatch.setattr(RampData, "family", "no_such_family_module")
+    with pytest.raises(ConfigError, match=r"no_such_family_module could not be imported"):
+        build_data(RampData(), RT, seed=0)

@@ -15,13 +15,13 @@ from lm_data import write_token_folder
 
 from ddp_utils.config import ConfigError, PyStdlibData, TokenData
 from ddp_utils.data import pystdlib
+from ddp_utils.data import resolve_data as resolve_tokens
 from ddp_utils.data.samplers import IGNORE_LABEL, EvalShardSampler, ResumableDistributedSampler
 from ddp_utils.data.tokenizer import ByteTokenizer, CharTokenizer, from_spec, train_bpe
 from ddp_utils.data.tokens import (
     WindowLoader,
     eval_windows,
     read_meta,
-    resolve_tokens,
     train_windows,
 )
 from ddp_utils.dist import Runtime

@@ -50,6 +50,9 @@ class DataConfig:
     # option's name).
     holds: ClassVar[str] = "labels"
     wrong_task: ClassVar[str] = ""
+    # The module that builds this option's loaders (``ddp_utils.data.registry`` says what it
+    # defines); a new data family is that module, its schema here and its conf/data file.
+    family: ClassVar[str] = "ddp_utils.data.in_memory"
 
     name: str = "digits"  # the option's name: digits | mnist | imagefolder | ...
     batch_size: int = 100  # per process
@@ -90,6 +93,11 @@ class DataConfig:
                 f"data.mean and data.std need one value per channel (data.in_channels="
                 f"{self.in_channels}); got {len(self.mean)} and {len(self.std)}."
             )
+
+    def describe_inputs(self) -> str:
+        """What the model is fed, as errors name it."""
+        size = self.image_size
+        return f"images of {self.in_channels}x{size}x{size}"
 
     def sizes(self) -> dict[str, Any]:
         """What models and tasks are offered (where their signatures take them)."""
@@ -149,6 +157,8 @@ class StreamedData(DataConfig):
     """What the streamed options share: images decoded and transformed per sample in the
     loader's workers (the classification references' presets)."""
 
+    family: ClassVar[str] = "ddp_utils.data.streamed"
+
     resize_size: int | None = None  # evaluation Resize; null = round(image_size / 0.875)
     interpolation: str = "bilinear"  # nearest | bilinear | bicubic
     skip_bad_images: bool = False  # skip unreadable images with a warning, count them
@@ -199,6 +209,7 @@ class SegmentationData(DataConfig):
     per sample in the loader's workers (``ddp_utils.data.segmentation``)."""
 
     holds: ClassVar[str] = "masks"
+    family: ClassVar[str] = "ddp_utils.data.segmentation"
     wrong_task: ClassVar[str] = (
         "data={data} holds masks: train it with task=segmentation (and a segmentation model: "
         "model=seg_convnet | torchvision_seg), or start from experiment=digits_segmentation."
@@ -264,6 +275,10 @@ class CanvasData(SegmentationData):
         if not self.digit_scales or min(self.digit_scales) < 1:
             raise ConfigError(f"data.digit_scales={self.digit_scales} needs factors >= 1.")
 
+    def digit_data(self) -> DataConfig:
+        """The in-memory digit set (and its split) that the canvases are drawn from."""
+        raise NotImplementedError
+
 
 @dataclass
 class DigitsSegData(CanvasData):
@@ -274,6 +289,10 @@ class DigitsSegData(CanvasData):
     def check(self) -> None:
         super().check()
         check_holdout(self.val_fraction, self.val_slice)
+
+    def digit_data(self) -> DataConfig:
+        return DigitsData(name=self.name, val_fraction=self.val_fraction,
+                          split_seed=self.split_seed, val_slice=self.val_slice)  # fmt: skip
 
 
 @dataclass
@@ -288,6 +307,10 @@ class MnistSegData(CanvasData):
     def check(self) -> None:
         super().check()
         check_positive("data.val_slice", self.val_slice, allow_zero=True)
+
+    def digit_data(self) -> DataConfig:
+        return TorchvisionData(name="mnist", root=self.root, val_slice=self.val_slice,
+                               split_seed=self.split_seed)  # fmt: skip
 
 
 @dataclass
@@ -334,6 +357,8 @@ class TokenData(DataConfig):
     with numpy.memmap) and root/meta.json (vocab_size, dtype, the tokenizer)."""
 
     holds: ClassVar[str] = "tokens"
+    family: ClassVar[str] = "ddp_utils.data.tokens"
+    root_may_be_null: ClassVar[bool] = False
     wrong_task: ClassVar[str] = (
         "data={data} holds token ids: train it with task=language_model and model=gpt (or "
         "model=hf | custom), or start from experiment=lm_char."
@@ -356,6 +381,11 @@ class TokenData(DataConfig):
 
     def check(self) -> None:
         super().check()
+        if self.root is None and not self.root_may_be_null:
+            raise ConfigError(
+                f"data.root=null: data={self.name} reads ROOT/train.bin, ROOT/val.bin and "
+                "ROOT/meta.json; set data.root to that folder."
+            )
         check_positive("data.block_size", self.block_size)
         check_positive("data.eval_batch_size", self.eval_batch_size)
         check_positive("data.vocab_size", self.vocab_size)
@@ -371,11 +401,17 @@ class TokenData(DataConfig):
     def sizes(self) -> dict[str, Any]:
         return super().sizes() | {"vocab_size": self.num_classes, "block_size": self.block_size}
 
+    def describe_inputs(self) -> str:
+        return f"sequences of {self.block_size} token ids"
+
 
 @dataclass
 class PyStdlibData(TokenData):
     """data=pystdlib: the running interpreter's standard library .py sources as text,
     tokenized once into root (null = the per-user data cache)."""
+
+    family: ClassVar[str] = "ddp_utils.data.pystdlib"
+    root_may_be_null: ClassVar[bool] = True  # the per-user cache
 
     name: str = "pystdlib"
     root: str | None = None
@@ -406,5 +442,6 @@ DATA_OPTIONS: dict[str, type[DataConfig]] = {
 
 
 def skips_bad_images(cfg: DataConfig) -> bool:
-    """``data.skip_bad_images`` of the streamed options (the others cannot meet a bad file)."""
-    return isinstance(cfg, StreamedData) and cfg.skip_bad_images
+    """``data.skip_bad_images`` of the options that read files one by one and have the key
+    (the in-memory sets cannot meet a bad file)."""
+    return bool(getattr(cfg, "skip_bad_images", False))

@@ -6,8 +6,11 @@ The builder offers an option's own keys (``channels``, ``hidden``, ``arch``, ...
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
+
+from hydra.utils import get_object
 
 from ddp_utils.config.errors import ConfigError, check_positive, needs_target
 
@@ -36,6 +39,11 @@ class ModelConfig:
 
     def check_with(self, data: DataConfig) -> None:
         """What the option needs of the data config (its image size, ...); ConfigError."""
+
+    def describe(self) -> str:
+        """The option as errors name it."""
+        arch = getattr(self, "arch", None)
+        return f"model={self.name}" + (f" model.arch={arch}" if arch else "")
 
 
 @dataclass
@@ -96,6 +104,19 @@ class CustomModel(ModelConfig):
             raise needs_target(
                 "model", "pkg.module.Class (a torch.nn.Module, or a function returning one)"
             )
+
+    def describe(self) -> str:
+        """Its target with the constructor's parameters (so a class count under another
+        name, ``n_out``, say, is visible) and what it was given."""
+        try:
+            params = inspect.signature(get_object(self._target_)).parameters.values()
+            signature = ", ".join(
+                p.name if p.default is p.empty else f"{p.name}={p.default!r}" for p in params
+            )
+        except (ValueError, TypeError, ImportError):
+            signature = "..."
+        given = f", given {dict(self.kwargs)}" if self.kwargs else ""
+        return f"model._target_={self._target_} (its parameters: {signature}{given})"
 
 
 @dataclass

@@ -32,6 +32,10 @@ class TaskConfig:
     takes: ClassVar[str | None] = "labels"
     other_data: ClassVar[str] = ""
     generates: ClassVar[bool] = False
+    # Whether the label options (data.mixup_alpha, data.cutmix_alpha,
+    # trainer.label_smoothing) mean something to it: they are handed to its target, and
+    # refused by a task without them.
+    label_options: ClassVar[bool] = True
 
     def check(self) -> None:
         """Value ranges the types cannot express; ConfigError naming the key."""
@@ -41,6 +45,8 @@ class TaskConfig:
 @dataclass
 class CustomTask(TaskConfig):
     """task=custom: your ddp_utils.tasks.Task subclass."""
+
+    label_options: ClassVar[bool] = False
 
     takes: ClassVar[str | None] = None  # yours says what it reads
 
@@ -58,6 +64,8 @@ class CustomTask(TaskConfig):
 @dataclass
 class SegmentationTask(TaskConfig):
     """task=segmentation: per-pixel cross-entropy (and the auxiliary head's), mean IoU."""
+
+    label_options: ClassVar[bool] = False
 
     takes: ClassVar[str | None] = "masks"
     other_data: ClassVar[str] = (
@@ -80,6 +88,8 @@ class SegmentationTask(TaskConfig):
 class LanguageModelTask(TaskConfig):
     """task=language_model: next-token cross-entropy summed over tokens; val/loss,
     val/perplexity and (where the tokenizer knows bytes per token) val/bits_per_byte."""
+
+    label_options: ClassVar[bool] = False
 
     takes: ClassVar[str | None] = "tokens"
     other_data: ClassVar[str] = (

@@ -16,11 +16,17 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from ddp_utils.config import ConfigError, DataConfig
+from ddp_utils.config import ConfigError, DataConfig, DigitsData, SyntheticData, TorchvisionData
 from ddp_utils.data.cache import cache_path, cached
+from ddp_utils.data.registry import by_schema
 from ddp_utils.data.samplers import IGNORE_LABEL
 
-TORCHVISION_SETS = {"mnist": "MNIST", "fashion_mnist": "FashionMNIST", "cifar10": "CIFAR10"}
+# data=NAME -> (its torchvision.datasets class, the folder under data.root of its files)
+TORCHVISION_SETS = {
+    "mnist": ("MNIST", "MNIST/raw"),
+    "fashion_mnist": ("FashionMNIST", "FashionMNIST/raw"),
+    "cifar10": ("CIFAR10", "cifar-10-batches-py"),
+}
 
 
 class ImageTensorDataset(Dataset):
@@ -94,9 +100,7 @@ def _synthetic(cfg: DataConfig, split: str) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def _source_dir(cfg: DataConfig) -> Path:
-    if cfg.name == "cifar10":
-        return Path(cfg.root) / "cifar-10-batches-py"
-    return Path(cfg.root) / TORCHVISION_SETS[cfg.name] / "raw"
+    return Path(cfg.root) / TORCHVISION_SETS[cfg.name][1]
 
 
 def _fingerprint(folder: Path) -> str:
@@ -109,7 +113,8 @@ def _fingerprint(folder: Path) -> str:
 def _decode_torchvision(cfg: DataConfig, split: str) -> tuple[torch.Tensor, torch.Tensor]:
     import torchvision
 
-    cls = getattr(torchvision.datasets, TORCHVISION_SETS[cfg.name])
+    class_name = TORCHVISION_SETS[cfg.name][0]
+    cls = getattr(torchvision.datasets, class_name)
     try:
         ds = cls(root=cfg.root, train=(split == "train"), download=cfg.download)
     except RuntimeError as e:
@@ -120,7 +125,7 @@ def _decode_torchvision(cfg: DataConfig, split: str) -> tuple[torch.Tensor, torc
         )
         raise ConfigError(
             f"data={cfg.name}: no usable data under data.root={cfg.root} ({e}); {hint}, "
-            f"or point data.root at the folder that holds {TORCHVISION_SETS[cfg.name]}/."
+            f"or point data.root at the folder that holds {class_name}/."
         ) from None
     images = torch.as_tensor(ds.data)
     images = images.unsqueeze(1) if images.ndim == 3 else images.permute(0, 3, 1, 2)
@@ -153,14 +158,17 @@ def _decoded(cfg: DataConfig, split: str) -> tuple[torch.Tensor, torch.Tensor]:
     return contents["images"], contents["labels"]
 
 
+DECODERS = {DigitsData: _digits, SyntheticData: _synthetic, TorchvisionData: _torchvision}
+
+
+def decode(cfg: DataConfig, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """One split of an in-memory set: uint8 (N, C, H, W) images and int64 labels."""
+    return by_schema(DECODERS, cfg)(cfg, split)
+
+
 def load_split(cfg: DataConfig, split: str) -> ImageTensorDataset:
     """Decode one split of ``cfg.name`` into memory and check it against the declared shape."""
-    if cfg.name == "digits":
-        images, labels = _digits(cfg, split)
-    elif cfg.name == "synthetic":
-        images, labels = _synthetic(cfg, split)
-    else:
-        images, labels = _torchvision(cfg, split)
+    images, labels = decode(cfg, split)
     declared = (cfg.in_channels, cfg.image_size, cfg.image_size)
     if tuple(images.shape[1:]) != declared:
         raise ConfigError(

@@ -19,7 +19,12 @@ import sysconfig
 from pathlib import Path
 
 from ddp_utils.config import ConfigError, PyStdlibData
+from ddp_utils.data.tokens import build, build_eval, offered
+from ddp_utils.data.tokens import resolve as resolve_tokens
+from ddp_utils.dist import Runtime, local_main_first
 from ddp_utils.run import log
+
+__all__ = ["build", "build_eval", "offered", "prepare_pystdlib", "pystdlib_root", "resolve"]
 
 SKIPPED = frozenset({"test", "tests", "idle_test", "site-packages", "__pycache__"})
 
@@ -77,3 +82,11 @@ def prepare_pystdlib(cfg: PyStdlibData) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     os.replace(tmp, out)
     return out
+
+
+def resolve(cfg: PyStdlibData, rt: Runtime) -> PyStdlibData:
+    """Every rank: the corpus prepared once per node, then read as data=tokens reads its files."""
+    with local_main_first(rt):
+        if rt.is_local_main:
+            prepare_pystdlib(cfg)
+    return resolve_tokens(cfg, rt)

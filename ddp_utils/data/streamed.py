@@ -5,15 +5,31 @@ in-memory sets start without loading torchvision."""
 
 from __future__ import annotations
 
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
-from ddp_utils.config import ConfigError, DataConfig
+from ddp_utils.config import ConfigError, CustomData, DataConfig, ImageFolderData
+from ddp_utils.data.bundle import DataBundle, EvalData, image_bundle, image_eval
 from ddp_utils.data.custom import CustomSource, load_custom
 from ddp_utils.data.imagefolder import ImageFolderSource, check_same_classes, load_index
 from ddp_utils.data.loaders import eval_shard_loader, sharded_loaders
-from ddp_utils.data.samplers import ResumableDistributedSampler
+from ddp_utils.data.registry import by_schema
 from ddp_utils.data.transforms import SeededTransform, eval_transform, train_transform
 from ddp_utils.dist import Runtime
+
+
+def imagefolder_sources(cfg: DataConfig, rt: Runtime, splits: tuple[str, ...]) -> dict:
+    sources = {s: ImageFolderSource(load_index(cfg, s, rt), cfg) for s in splits}
+    if len(splits) == 2:  # a model trained on one class list is scored on the same list
+        check_same_classes(sources["train"].classes, sources["val"].classes, cfg)
+    return sources
+
+
+def custom_sources(cfg: DataConfig, rt: Runtime, splits: tuple[str, ...]) -> dict:
+    train, val = load_custom(cfg)
+    return {s: CustomSource(train if s == "train" else val, cfg, s) for s in splits}
+
+
+SOURCES = {ImageFolderData: imagefolder_sources, CustomData: custom_sources}
 
 
 def streamed_sources(cfg: DataConfig, rt: Runtime, splits: tuple[str, ...]) -> dict[str, Dataset]:
@@ -23,27 +39,20 @@ def streamed_sources(cfg: DataConfig, rt: Runtime, splits: tuple[str, ...]) -> d
             f"data={cfg.name} streams from disk through DataLoader workers: data.loader=tensor "
             "is for the built-in in-memory sets; use data.loader=auto."
         )
-    if cfg.name == "imagefolder":
-        return {s: ImageFolderSource(load_index(cfg, s, rt), cfg) for s in splits}
-    train, val = load_custom(cfg)
-    return {s: CustomSource(train if s == "train" else val, cfg, s) for s in splits}
+    return by_schema(SOURCES, cfg)(cfg, rt, splits)
 
 
-def streamed_loaders(
-    cfg: DataConfig, rt: Runtime, seed: int
-) -> tuple[DataLoader, DataLoader, ResumableDistributedSampler, list[str]]:
-    """The training and validation loaders, the training sampler, and the class names."""
+def build(cfg: DataConfig, rt: Runtime, seed: int, channels_last: bool | str) -> DataBundle:
+    """The training and validation loaders (augmented per sample in the workers)."""
     src = streamed_sources(cfg, rt, ("train", "val"))
-    classes = src["train"].classes
-    if cfg.name == "imagefolder":
-        check_same_classes(classes, src["val"].classes, cfg)
     train_ds = SeededTransform(src["train"], train_transform(cfg), seed)
     val_ds = SeededTransform(src["val"], eval_transform(cfg), seed)
-    return (*sharded_loaders(train_ds, val_ds, cfg, rt, seed), classes)
+    loaders = (*sharded_loaders(train_ds, val_ds, cfg, rt, seed), src["train"].classes)
+    return image_bundle(cfg, rt, loaders, False, channels_last)
 
 
-def streamed_eval_loader(cfg: DataConfig, rt: Runtime, seed: int) -> tuple[DataLoader, list[str]]:
-    """The loader of ``data.split``, sharded exactly, and the class names."""
+def build_eval(cfg: DataConfig, rt: Runtime, seed: int, channels_last: bool | str) -> EvalData:
+    """The loader of ``data.split``, sharded exactly."""
     source = streamed_sources(cfg, rt, (cfg.split,))[cfg.split]
     ds = SeededTransform(source, eval_transform(cfg), seed)
-    return eval_shard_loader(ds, cfg, rt), source.classes
+    return image_eval(cfg, rt, eval_shard_loader(ds, cfg, rt), source.classes, channels_last)

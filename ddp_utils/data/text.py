@@ -102,7 +102,7 @@ def prepare(
         raise ConfigError(f"--val_fraction={val_fraction} must lie strictly between 0 and 1.")
     if not files or sum(p.stat().st_size for p in files) == 0:
         raise ConfigError("no text to prepare: the sources are empty; give non-empty text files.")
-    taken = sorted(p.name for p in out.glob("*") if p.name in PREPARED) if out.is_dir() else []
+    taken = sorted(set(PREPARED) & {p.name for p in out.iterdir()}) if out.is_dir() else []
     if taken and not overwrite:
         raise ConfigError(f"{out} already holds prepared files ({', '.join(taken)}): choose a "
                           "new folder, or pass --overwrite to replace them.")  # fmt: skip

@@ -23,17 +23,19 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 from torch.utils.data import Sampler
 
-from ddp_utils.config import ConfigError, PyStdlibData, TokenData
+from ddp_utils.config import ConfigError, TokenData
 from ddp_utils.config.data import TOKEN_DTYPES
+from ddp_utils.data.bundle import DataBundle, EvalData, Unit
 from ddp_utils.data.samplers import (
     IGNORE_LABEL,
     EvalShardSampler,
     ResumableDistributedSampler,
     training_sampler,
 )
-from ddp_utils.dist import Runtime, local_main_first
+from ddp_utils.dist import Runtime
 
 META = "meta.json"
 DEFAULT_DTYPE = "uint16"  # nanoGPT's
@@ -53,8 +55,7 @@ def token_root(cfg: TokenData) -> Path:
     """``data.root``; for data=pystdlib without one, its folder in the per-user data cache."""
     if cfg.root is not None:
         return Path(cfg.root)
-    assert isinstance(cfg, PyStdlibData), "data=tokens has a root"
-    from ddp_utils.data.pystdlib import pystdlib_root
+    from ddp_utils.data.pystdlib import pystdlib_root  # the one option whose root may be null
 
     return pystdlib_root(cfg)
 
@@ -116,16 +117,9 @@ def _read_meta_file(root: Path) -> TokenMeta | None:
     return TokenMeta(vocab, dtype, spec, tuple(token_bytes) if token_bytes else None)
 
 
-def resolve_tokens(cfg: TokenData, rt: Runtime) -> TokenData:
-    """Every rank: the config with vocab_size, dtype and num_classes read from the data
-    (data=pystdlib prepared first, once per node), so that config.yaml and checkpoints say
-    what the model was sized for."""
-    if isinstance(cfg, PyStdlibData):
-        from ddp_utils.data.pystdlib import prepare_pystdlib
-
-        with local_main_first(rt):
-            if rt.is_local_main:
-                prepare_pystdlib(cfg)
+def resolve(cfg: TokenData, rt: Runtime) -> TokenData:
+    """Every rank: the config with vocab_size, dtype and num_classes read from the data, so
+    that config.yaml and checkpoints say what the model was sized for."""
     meta = read_meta(cfg)
     resolved = replace(
         cfg, vocab_size=meta.vocab_size, dtype=meta.dtype, num_classes=meta.vocab_size
@@ -289,3 +283,23 @@ def token_loaders(
     sampler = training_sampler(len(train), cfg, rt, seed)
     loader = WindowLoader(train, sampler, cfg.batch_size, rt.device)
     return loader, eval_loader(cfg, rt, "val"), sampler
+
+
+def offered(cfg: TokenData) -> dict[str, Any]:
+    """The bytes each id stands for (None where unknown): bits per byte."""
+    return {"token_bytes": read_meta(cfg).token_bytes}
+
+
+def build(cfg: TokenData, rt: Runtime, seed: int, channels_last: bool | str) -> DataBundle:
+    """Windows of token ids on the device; progress and throughput counted in tokens."""
+    train, val, sampler = token_loaders(cfg, rt, seed)
+    tokenizer = read_meta(cfg).tokenizer
+    return DataBundle(
+        train, val, sampler, nn.Identity(), nn.Identity(),
+        unit=Unit("tok", cfg.block_size, "tokens"),
+        checkpoint_extras={"tokenizer": tokenizer} if tokenizer is not None else {},
+    )  # fmt: skip
+
+
+def build_eval(cfg: TokenData, rt: Runtime, seed: int, channels_last: bool | str) -> EvalData:
+    return EvalData(eval_loader(cfg, rt, cfg.split), nn.Identity(), None)

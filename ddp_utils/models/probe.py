@@ -6,14 +6,12 @@ of training silently on a wrong head or failing deep inside the loss.
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections.abc import Iterator, Mapping
 
 import torch
-from hydra.utils import get_object
 from torch import nn
 
-from ddp_utils.config import ConfigError, CustomModel, DataConfig, ModelConfig, TokenData
+from ddp_utils.config import ConfigError, DataConfig, ModelConfig
 from ddp_utils.targets import why
 
 PROBE_BATCH = 2  # BatchNorm needs more than one value per channel (it is in eval mode anyway)
@@ -41,20 +39,7 @@ def eval_mode(model: nn.Module) -> Iterator[None]:
 
 
 def describe(cfg: ModelConfig) -> str:
-    """The model option; for ``model=custom`` its target with the constructor's parameters
-    (so a class count under another name, ``n_out``, say, is visible) and what it was given."""
-    if not isinstance(cfg, CustomModel):
-        arch = getattr(cfg, "arch", None)
-        return f"model={cfg.name}" + (f" model.arch={arch}" if arch else "")
-    try:
-        params = inspect.signature(get_object(cfg._target_)).parameters.values()
-        signature = ", ".join(
-            p.name if p.default is p.empty else f"{p.name}={p.default!r}" for p in params
-        )
-    except (ValueError, TypeError, ImportError):
-        signature = "..."
-    given = f", given {dict(cfg.kwargs)}" if cfg.kwargs else ""
-    return f"model._target_={cfg._target_} (its parameters: {signature}{given})"
+    return cfg.describe()
 
 
 def check_logits(out: object, cfg: ModelConfig, data: DataConfig, expected: tuple[int, ...],
@@ -74,12 +59,8 @@ def check_logits(out: object, cfg: ModelConfig, data: DataConfig, expected: tupl
             "logits tensor from forward() (in eval mode too)."
         )
     if tuple(out.shape) != expected:
-        size = data.image_size
-        inputs = f"images of {data.in_channels}x{size}x{size}"
-        if isinstance(data, TokenData):
-            inputs = f"sequences of {data.block_size} token ids"
         raise ConfigError(
-            f"the output of {describe(cfg)} for a batch of {PROBE_BATCH} {inputs} "
+            f"the output of {describe(cfg)} for a batch of {PROBE_BATCH} {data.describe_inputs()} "
             f"has shape {tuple(out.shape)}, but {what} needs "
             f"{expected}. Build the model for it (model=custom: pass the class count under the "
             "name its constructor takes, +model.NAME=VALUE), or correct the data's settings."

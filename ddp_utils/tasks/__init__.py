@@ -29,7 +29,7 @@ from ddp_utils.tasks.base import Batch, Task
 __all__ = ["Batch", "Task", "build_task", "check_task", "draw_predictions"]
 
 REQUIRED = ("train_loss", "eval_step")
-CLASSIFICATION_ONLY = {  # options that only mean something for class labels
+LABEL_OPTIONS = {  # options that only mean something for class labels
     "data.mixup_alpha": lambda c: c.data.mixup_alpha > 0,
     "data.cutmix_alpha": lambda c: c.data.cutmix_alpha > 0,
     "trainer.label_smoothing": lambda c: c.trainer.label_smoothing > 0,
@@ -41,20 +41,19 @@ def build_task(cfg: TrainConfig) -> Task:
     ``in_channels`` and ``image_size`` (token data: ``vocab_size``, ``block_size`` and
     ``token_bytes``; classification: the loss options)."""
     t = cfg.task
-    if t.name != "classification":
-        used = [key for key, on in CLASSIFICATION_ONLY.items() if on(cfg)]
+    offered = offered_by_data(cfg.data)
+    offered |= {k: getattr(t, k) for k in own_keys(type(t), "task") if k != "kwargs"}
+    if type(t).label_options:
+        from ddp_utils.tasks.classification import label_arguments
+
+        offered |= label_arguments(cfg)
+    else:
+        used = [key for key, on in LABEL_OPTIONS.items() if on(cfg)]
         if used:
             raise ConfigError(
                 f"{', '.join(used)} only apply to task=classification (this is task={t.name}); "
                 "set them to 0."
             )
-    offered = offered_by_data(cfg.data)
-    offered |= {k: getattr(t, k) for k in own_keys(type(t), "task") if k != "kwargs"}
-    if t.name == "classification":
-        from ddp_utils.tasks.classification import build_mixing
-
-        offered |= {"label_smoothing": cfg.trainer.label_smoothing,
-                    "mixing": build_mixing(cfg.data)}  # fmt: skip
     args = target_arguments("task._target_", t._target_, offered, getattr(t, "kwargs", {}))
     try:
         task = instantiate({"_target_": t._target_, "_convert_": "all"}, **args)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ddp_utils.config import DataConfig
+from ddp_utils.config import DataConfig, TrainConfig
 from ddp_utils.data.samplers import IGNORE_LABEL
 from ddp_utils.tasks.base import Batch, Task
 
@@ -35,6 +35,11 @@ def build_mixing(cfg: DataConfig) -> v2.Transform | None:
     if cfg.cutmix_alpha > 0:
         mixes.append(v2.CutMix(alpha=cfg.cutmix_alpha, num_classes=k))
     return mixes[0] if len(mixes) == 1 else v2.RandomChoice(mixes)
+
+
+def label_arguments(cfg: TrainConfig) -> dict[str, Any]:
+    """What the label options give a task that has them (``TaskConfig.label_options``)."""
+    return {"label_smoothing": cfg.trainer.label_smoothing, "mixing": build_mixing(cfg.data)}
 
 
 class Criterion:

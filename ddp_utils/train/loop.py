@@ -252,10 +252,10 @@ def validate_and_save(
         "epoch": tr.epoch, "step": tr.step, "world_size": tr.rt.world_size, "lr": current_lr(tr),
         **train_stats, **validate(tr, tr.raw_model, "val"),
     }  # fmt: skip
-    per_sample = tr.data.tokens_per_sample
-    if per_sample is not None:
-        record |= {"tokens": tr.samples_seen * per_sample,
-                   "tokens_per_s": train_stats["samples_per_s"] * per_sample}  # fmt: skip
+    unit = tr.data.unit
+    if unit.key is not None:  # token data: tokens seen and tokens per second
+        record |= {unit.key: tr.samples_seen * unit.per_sample,
+                   f"{unit.key}_per_s": train_stats["samples_per_s"] * unit.per_sample}  # fmt: skip
     if tr.ema is not None:
         record |= validate(tr, tr.ema.module, "val_ema")
     append_metrics(tr.run_dir, record, tr.rt)

@@ -67,7 +67,7 @@ def checkpoint_state(tr: Training) -> dict[str, Any]:
         "classes": tr.data.classes,
         "samples_seen": tr.samples_seen,
         "trackers": tr.trackers.state(),  # the tracker runs a resume continues (main rank's)
-        **({"tokenizer": tr.data.tokenizer} if tr.data.tokenizer is not None else {}),
+        **tr.data.checkpoint_extras,  # what inference needs of the data (a tokenizer)
         "config": tr.config_record,
     }
 

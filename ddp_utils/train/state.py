@@ -212,8 +212,8 @@ def build_training(
             t.progress,
             rt.is_main,
             total_steps,
-            global_batch(cfg, rt) * (data.tokens_per_sample or 1),
-            unit="img" if data.tokens_per_sample is None else "tok",
+            global_batch(cfg, rt) * data.unit.per_sample,
+            unit=data.unit.short,
         ),  # fmt: skip
         trackers=build_trackers(cfg.logger, cfg.logger_cfg, rt),
         callbacks=build_callbacks(cfg.callbacks, extra_callbacks),

@@ -9,11 +9,10 @@ same per-sample seeding by (seed, epoch, index) as the image folders: identical 
 
 from __future__ import annotations
 
-from torch.utils.data import DataLoader
-
-from ddp_utils.config import CanvasData, SegmentationData, VOCData
+from ddp_utils.config import CanvasData, SegFolderData, SegmentationData, VOCData
+from ddp_utils.data.bundle import DataBundle, EvalData, image_bundle, image_eval
 from ddp_utils.data.loaders import eval_shard_loader, sharded_loaders
-from ddp_utils.data.samplers import ResumableDistributedSampler
+from ddp_utils.data.registry import by_schema
 from ddp_utils.data.segmentation.transforms import (
     EvalResizePad,
     SeededPairs,
@@ -22,22 +21,35 @@ from ddp_utils.data.segmentation.transforms import (
 )
 from ddp_utils.dist import Runtime, local_main_first
 
-__all__ = ["seg_eval_loader", "seg_loaders", "seg_source", "seg_dataset"]
+__all__ = ["build", "build_eval", "seg_source", "seg_dataset"]
+
+
+def canvas_source(cfg: SegmentationData, split: str, rt: Runtime):
+    from ddp_utils.data.segmentation.canvases import CanvasSource
+
+    with local_main_first(rt):  # data=mnist_seg decodes MNIST into its cache once
+        return CanvasSource(cfg, split)
+
+
+def voc_source(cfg: SegmentationData, split: str, rt: Runtime):
+    from ddp_utils.data.segmentation import folders
+
+    return folders.PairSource(folders.voc_index(cfg, split, rt), cfg, folders.VOC_CLASSES)
+
+
+def folder_source(cfg: SegmentationData, split: str, rt: Runtime):
+    from ddp_utils.data.segmentation import folders
+
+    index = folders.segfolder_index(cfg, split, rt)
+    return folders.PairSource(index, cfg, folders.folder_classes(cfg))
+
+
+SOURCES = {CanvasData: canvas_source, VOCData: voc_source, SegFolderData: folder_source}
 
 
 def seg_source(cfg: SegmentationData, split: str, rt: Runtime):
     """The split's ``(image, mask)`` source, with ``classes`` and ``sizes`` (N, 2)."""
-    if isinstance(cfg, CanvasData):
-        from ddp_utils.data.segmentation.canvases import CanvasSource
-
-        with local_main_first(rt):  # data=mnist_seg decodes MNIST into its cache once
-            return CanvasSource(cfg, split)
-    from ddp_utils.data.segmentation import folders
-
-    if isinstance(cfg, VOCData):
-        return folders.PairSource(folders.voc_index(cfg, split, rt), cfg, folders.VOC_CLASSES)
-    index = folders.segfolder_index(cfg, split, rt)
-    return folders.PairSource(index, cfg, folders.folder_classes(cfg))
+    return by_schema(SOURCES, cfg)(cfg, split, rt)
 
 
 def seg_dataset(source, cfg: SegmentationData, train: bool, seed: int) -> SeededPairs:
@@ -52,17 +64,19 @@ def seg_dataset(source, cfg: SegmentationData, train: bool, seed: int) -> Seeded
     return SeededPairs(source, transform, seed, cfg.ignore_index)
 
 
-def seg_loaders(
-    cfg: SegmentationData, rt: Runtime, seed: int
-) -> tuple[DataLoader, DataLoader, ResumableDistributedSampler, list[str]]:
-    """The training and validation loaders, the training sampler, and the class names."""
+def build(cfg: SegmentationData, rt: Runtime, seed: int, channels_last: bool | str) -> DataBundle:
+    """The training and validation loaders (joint transforms in the workers)."""
     train_src, val_src = seg_source(cfg, "train", rt), seg_source(cfg, "val", rt)
     train_ds = seg_dataset(train_src, cfg, True, seed)
     val_ds = seg_dataset(val_src, cfg, False, seed)
-    return (*sharded_loaders(train_ds, val_ds, cfg, rt, seed), train_src.classes)
+    loaders = (*sharded_loaders(train_ds, val_ds, cfg, rt, seed), train_src.classes)
+    return image_bundle(cfg, rt, loaders, False, channels_last)
 
 
-def seg_eval_loader(cfg: SegmentationData, rt: Runtime, seed: int) -> tuple[DataLoader, list]:
-    """The loader of ``data.split``, sharded exactly, and the class names."""
+def build_eval(
+    cfg: SegmentationData, rt: Runtime, seed: int, channels_last: bool | str
+) -> EvalData:
+    """The loader of ``data.split``, sharded exactly."""
     source = seg_source(cfg, cfg.split, rt)
-    return eval_shard_loader(seg_dataset(source, cfg, False, seed), cfg, rt), source.classes
+    loader = eval_shard_loader(seg_dataset(source, cfg, False, seed), cfg, rt)
+    return image_eval(cfg, rt, loader, source.classes, channels_last)

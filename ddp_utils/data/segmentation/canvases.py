@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-from ddp_utils.config import CanvasData, ConfigError, TorchvisionData
-from ddp_utils.data.builtin import _digits, _torchvision
+from ddp_utils.config import CanvasData, ConfigError
+from ddp_utils.data.builtin import decode
 
 INK = 64  # a digit's pixel counts from this grey level (of 255)
 
@@ -22,11 +22,7 @@ INK = 64  # a digit's pixel counts from this grey level (of 255)
 def digit_split(cfg: CanvasData, split: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The split's digits, uint8 (N, 1, h, w), and their labels: data=digits' split (with
     ``data.val_fraction`` and ``data.val_slice``) or MNIST's under ``data.root``."""
-    if cfg.name == "digits_seg":
-        return _digits(cfg, split)
-    mnist = TorchvisionData(name="mnist", root=cfg.root, val_slice=cfg.val_slice,
-                            split_seed=cfg.split_seed)  # fmt: skip
-    return _torchvision(mnist, split)
+    return decode(cfg.digit_data(), split)
 
 
 def make_canvases(
