@@ -186,7 +186,7 @@ def checkpoint_options(args: list[str]) -> list[str]:
     paths = [a.split("=", 1)[1] for a in args if re.match(r"\+*checkpoint=", a)]
     if len(paths) != 1 or "," in paths[0]:  # none, or a sweep over checkpoints
         return []
-    from ddp_utils.train.checkpoint import load_checkpoint  # torch: only now
+    from ddp_utils.checkpoint import load_checkpoint  # torch: only now
 
     # Mapped, not read, where the file's format allows: only its config is wanted here.
     stored = load_checkpoint(paths[0], mmap=zipfile.is_zipfile(paths[0]))["config"]

@@ -12,6 +12,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 
+from ddp_utils.checkpoint import inference_model, load_checkpoint
 from ddp_utils.config import (
     ConfigError,
     DataConfig,
@@ -26,10 +27,9 @@ from ddp_utils.data.classes import class_difference
 from ddp_utils.dist import Runtime, init_distributed
 from ddp_utils.files import atomic_write_text, writing_into
 from ddp_utils.metrics import build_metrics, evaluate, scalars
-from ddp_utils.models import build_model, memory_format_of
+from ddp_utils.models import memory_format_of
 from ddp_utils.run import log, setup_logging
 from ddp_utils.tasks import build_task, check_task, draw_predictions
-from ddp_utils.train.checkpoint import load_checkpoint, load_model_state, model_weights
 from ddp_utils.train.precision import amp_context, resolve_precision
 from ddp_utils.watchdog import StepWatchdog
 
@@ -86,15 +86,10 @@ def run_eval(cfg: DictConfig, implied: Sequence[str] = ()) -> dict[str, Any]:
     setup_logging(None, rt, "eval")
     train_cfg = dataclasses.replace(train_cfg, data=resolve_data(train_cfg.data, rt))
     task = build_task(train_cfg)
-    model = build_model(train_cfg.model, train_cfg.data, task.num_outputs())
-    load_model_state(
-        model,
-        model_weights(ckpt, checkpoint, cfg.ema),
-        f"checkpoint={checkpoint}",
-        f"It was trained as {describe(ckpt['config'])}; this run asks for "
-        f"{describe(as_plain_dict(train_cfg))}. Drop the "
-        "model/data overrides, or evaluate a checkpoint of that model and data.",
-    )
+    fix = (f"It was trained as {describe(ckpt['config'])}; this run asks for "
+           f"{describe(as_plain_dict(train_cfg))}. Drop the model/data overrides, or evaluate a "
+           "checkpoint of that model and data.")  # fmt: skip
+    model = inference_model(ckpt, checkpoint, train_cfg, cfg.ema, task.num_outputs(), fix)
     data = train_cfg.data
     # The memory format training validated in: the same kernels, so the same numbers.
     channels_last = train_cfg.trainer.channels_last

@@ -14,12 +14,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from ddp_utils.checkpoint import inference_model, load_checkpoint
 from ddp_utils.config import ConfigError, GenerateConfig, from_record, to_schema
 from ddp_utils.data.tokenizer import Tokenizer, from_spec
 from ddp_utils.files import atomic_write_text, writing_into
-from ddp_utils.models import build_model
 from ddp_utils.models.probe import eval_mode
-from ddp_utils.train.checkpoint import load_checkpoint, load_model_state, model_weights
 
 
 def load_generator(cfg: GenerateConfig, device: torch.device) -> tuple[nn.Module, Tokenizer, int]:
@@ -34,9 +33,7 @@ def load_generator(cfg: GenerateConfig, device: torch.device) -> tuple[nn.Module
             "checkpoint of task=language_model on data prepared with a tokenizer "
             "(prepare_text, data=pystdlib)."
         )
-    model = build_model(train_cfg.model, train_cfg.data)
-    weights = model_weights(ckpt, cfg.checkpoint, cfg.ema)
-    load_model_state(model, weights, f"checkpoint={cfg.checkpoint}", "Give a train.py checkpoint.")
+    model = inference_model(ckpt, cfg.checkpoint, train_cfg, cfg.ema)
     return model.to(device), from_spec(spec), train_cfg.data.block_size
 
 

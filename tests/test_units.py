@@ -423,7 +423,7 @@ def test_optimizers_are_fused_and_a_single_process_trains_its_module_without_ddp
     """Both measured faster here (README): fused SGD and AdamW on the CPU too, and no DDP
     reducer at world size 1, where its all-reduce is the identity."""
     from ddp_utils.optim import build_optimizer
-    from ddp_utils.train.state import wrap_ddp
+    from ddp_utils.strategy import build_strategy
 
     module = torch.nn.Linear(3, 2)
     for option in ("sgd", "adamw"):
@@ -431,5 +431,5 @@ def test_optimizers_are_fused_and_a_single_process_trains_its_module_without_ddp
         assert optimizer.defaults["fused"] is True
     rt = Runtime(rank=0, world_size=1, local_rank=0, local_world_size=1,
                  device=torch.device("cpu"), backend="gloo")  # fmt: skip
-    model, raw = wrap_ddp(module, TrainerConfig(channels_last="false"), rt)
-    assert model is raw is module
+    strategy = build_strategy(TrainerConfig(channels_last="false"), rt)
+    assert strategy.wrap(module) is strategy.raw_model is module

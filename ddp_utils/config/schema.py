@@ -57,6 +57,8 @@ class TrainerConfig:
     # NHWC activations: auto = on for CUDA (tensor-core convolutions), off on a CPU (measured
     # slower there) | true | false
     channels_last: str = "auto"
+    # How the model is distributed (ddp_utils.strategy): ddp | pkg.module.MyStrategy
+    strategy: str = "ddp"
     bucket_cap_mb: float = 25.0  # DDP gradient bucket size
     gradient_as_bucket_view: bool = True  # gradients alias DDP's buckets: one copy less
     static_graph: bool = False  # DDP: the graph is the same every step

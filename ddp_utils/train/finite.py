@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ddp_utils.checkpoint import step_checkpoints
 from ddp_utils.config import ConfigError
-from ddp_utils.train.checkpoint import step_checkpoints
 
 if TYPE_CHECKING:
     from ddp_utils.train.state import Training

@@ -15,7 +15,7 @@ from torch import nn
 
 from ddp_utils.config import TrainConfig, skips_bad_images
 from ddp_utils.data import BAD_LABEL, IGNORE_LABEL, resolve_data
-from ddp_utils.dist import Runtime, all_reduce_sum, broadcast_buffers
+from ddp_utils.dist import Runtime, all_reduce_sum
 from ddp_utils.metrics import evaluate, scalars
 from ddp_utils.preemption import Preempted
 from ddp_utils.run import (
@@ -41,7 +41,6 @@ from ddp_utils.train.state import (
     build_training,
     check_runtime,
     global_batch,
-    no_sync,
     resolve_auto,
 )
 
@@ -49,14 +48,14 @@ from ddp_utils.train.state import (
 def optimizer_step(tr: Training) -> None:
     if tr.cfg.trainer.grad_clip is not None:
         tr.scaler.unscale_(tr.optimizer)
-        nn.utils.clip_grad_norm_(tr.raw_model.parameters(), tr.cfg.trainer.grad_clip)
+        tr.strategy.clip_grad_norm_(tr.cfg.trainer.grad_clip)
     tr.scaler.step(tr.optimizer)
     tr.scaler.update()
     tr.optimizer.zero_grad(set_to_none=True)
     tr.scheduler.step()
     tr.step += 1
     if tr.ema is not None:
-        tr.ema.update(tr.raw_model, tr.step, in_warmup=tr.step <= tr.warmup_steps)
+        tr.strategy.update_ema(tr.ema, tr.step, in_warmup=tr.step <= tr.warmup_steps)
 
 
 def train_step(tr: Training, images: torch.Tensor, labels: torch.Tensor, scale: float) -> None:
@@ -98,7 +97,7 @@ def train_one_epoch(tr: Training) -> dict[str, float] | None:
         group_len = min(accum, n_batches - group_start)
         last_micro = i == group_start + group_len - 1
         # Only the last micro-batch of a group all-reduces its gradients.
-        with contextlib.nullcontext() if last_micro else no_sync(tr.model):
+        with contextlib.nullcontext() if last_micro else tr.strategy.no_sync():
             train_step(tr, images, labels, scale=1.0 / group_len)
         if last_micro:
             optimizer_step(tr)
@@ -247,10 +246,11 @@ def validate_and_save(
         raise diverged(tr, "the training loss")
     # Validate exactly what the checkpoint below holds: rank 0's running statistics. (Training
     # is unchanged: DDP hands every rank rank 0's buffers at the next forward anyway.)
-    broadcast_buffers([tr.raw_model] + ([tr.ema.module] if tr.ema is not None else []))
+    scored = tr.strategy.eval_model
+    tr.strategy.sync_buffers([scored] + ([tr.ema.module] if tr.ema is not None else []))
     record = {
         "epoch": tr.epoch, "step": tr.step, "world_size": tr.rt.world_size, "lr": current_lr(tr),
-        **train_stats, **validate(tr, tr.raw_model, "val"),
+        **train_stats, **validate(tr, scored, "val"),
     }  # fmt: skip
     unit = tr.data.unit
     if unit.key is not None:  # token data: tokens seen and tokens per second

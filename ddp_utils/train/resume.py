@@ -10,17 +10,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
+from ddp_utils.checkpoint import (
+    load_checkpoint,
+    newest_loadable,
+    step_checkpoints,
+)
 from ddp_utils.config import ConfigError, TrainConfig, as_plain_dict, option_defaults
 from ddp_utils.data.classes import class_difference
 from ddp_utils.dist import Runtime, all_reduce_sum, broadcast_object
 from ddp_utils.optim import build_scheduler
 from ddp_utils.run import log
-from ddp_utils.train.checkpoint import (
-    load_checkpoint,
-    newest_loadable,
-    save_training_checkpoint,
-    step_checkpoints,
-)
 from ddp_utils.train.finite import check_state
 from ddp_utils.train.rng import capture_rng, restore_rng, seed_everything
 
@@ -50,8 +49,8 @@ def checkpoint_state(tr: Training) -> dict[str, Any]:
     dist.all_gather_object(rng, capture_rng(tr.rt.device))
     epoch_totals = all_reduce_sum(tr.epoch_totals.clone()).cpu()
     return {
-        "model": tr.raw_model.state_dict(),
-        "optimizer": tr.optimizer.state_dict(),
+        "model": tr.strategy.model_state_dict(),
+        "optimizer": tr.strategy.optimizer_state_dict(tr.optimizer),
         "scheduler": tr.scheduler.state_dict(),
         "scaler": tr.scaler.state_dict(),
         "epoch": tr.epoch,
@@ -78,7 +77,7 @@ def save(tr: Training, also: tuple[str, ...] = ()) -> None:
     state = checkpoint_state(tr)
     check_state(tr, state["epoch_totals"][0])  # nothing non-finite is ever written
     ckpt_dir = tr.run_dir / "checkpoints"
-    path = save_training_checkpoint(state, ckpt_dir, also, tr.cfg.trainer.keep_last, tr.rt)
+    path = tr.strategy.save(state, ckpt_dir, also, tr.cfg.trainer.keep_last)
     tr.callbacks.on_checkpoint(tr, path)
 
 
@@ -208,7 +207,7 @@ def resumed_total_steps(tr: Training, ckpt: dict[str, Any]) -> tuple[int, int]:
 
 
 def restore(tr: Training, ckpt: dict[str, Any]) -> None:
-    tr.raw_model.load_state_dict(ckpt["model"])
+    tr.strategy.load_model_state_dict(ckpt["model"])
     total, per_epoch = resumed_total_steps(tr, ckpt)
     if total != tr.total_steps:
         # Another world size re-shards the rest of the epoch into another number of steps:
@@ -219,7 +218,7 @@ def restore(tr: Training, ckpt: dict[str, Any]) -> None:
         tr.scheduler = build_scheduler(
             tr.cfg.sched, tr.optimizer, tr.cfg.optim.lr, total, per_epoch
         )
-    tr.optimizer.load_state_dict(ckpt["optimizer"])
+    tr.strategy.load_optimizer_state_dict(tr.optimizer, ckpt["optimizer"])
     # The schedule's length follows this run's config (trainer.epochs may have grown): keep
     # the freshly built scheduler's length, take the rest (its position) from the checkpoint.
     length = {k: v for k, v in tr.scheduler.state_dict().items() if k in SCHEDULE_LENGTH_KEYS}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -13,18 +13,18 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 from torchmetrics import MetricCollection
 
 from ddp_utils.config import ConfigError, TrainConfig, TrainerConfig, as_plain_dict
 from ddp_utils.data import DataBundle, build_data
 from ddp_utils.dist import Runtime
 from ddp_utils.metrics import build_metrics
-from ddp_utils.models import build_model, memory_format_of
+from ddp_utils.models import build_model
 from ddp_utils.models.ema import EMA, ema_decay
 from ddp_utils.optim import build_optimizer, build_scheduler, warmup_steps
 from ddp_utils.preemption import StopRequest
 from ddp_utils.progress import Progress
+from ddp_utils.strategy import Strategy, build_strategy, strategy_class
 from ddp_utils.tasks import Task, build_task, check_task
 from ddp_utils.tracking import Trackers, build_trackers
 from ddp_utils.train.callbacks import Callback, CallbackList, build_callbacks
@@ -35,6 +35,7 @@ from ddp_utils.watchdog import StepWatchdog
 
 def check_runtime(cfg: TrainerConfig, rt: Runtime) -> None:
     """Refuse what this device cannot do before anything is written."""
+    strategy_class(cfg)  # a strategy that does not exist stops here
     if cfg.sync_bn and rt.device.type != "cuda":
         raise ConfigError(
             "trainer.sync_bn=true needs CUDA: DDP refuses SyncBatchNorm on CPU modules. "
@@ -54,37 +55,6 @@ def resolve_auto(cfg: TrainConfig, rt: Runtime) -> TrainConfig:
     return dataclasses.replace(cfg, trainer=trainer)
 
 
-def wrap_ddp(raw_model: nn.Module, cfg: TrainerConfig, rt: Runtime) -> tuple[nn.Module, nn.Module]:
-    """SyncBatchNorm if asked, DDP, and optionally torch.compile; returns the training module
-    and the unwrapped one inside it.
-
-    A single process trains its module directly: DDP at world size 1 changes no number (its
-    all-reduce over one rank is the identity) and only adds its reducer's hooks to every
-    backward (0.2-1 ms a step of experiment=lm_char's GPT, measured here)."""
-    if cfg.sync_bn:
-        raw_model = nn.SyncBatchNorm.convert_sync_batchnorm(raw_model)
-    raw_model.to(rt.device, memory_format=memory_format_of(cfg.channels_last))
-    model = raw_model
-    if rt.world_size > 1:
-        model = DDP(
-            raw_model,
-            device_ids=[rt.device.index] if rt.device.type == "cuda" else None,
-            bucket_cap_mb=cfg.bucket_cap_mb,
-            gradient_as_bucket_view=cfg.gradient_as_bucket_view,
-            static_graph=cfg.static_graph,
-        )
-    if cfg.compile:
-        model = torch.compile(model)
-    return model, raw_model
-
-
-def no_sync(model: nn.Module) -> AbstractContextManager:
-    """DDP's ``no_sync`` (gradients kept local until the group's last micro-batch); nothing
-    to hold back in a single process."""
-    inner = getattr(model, "_orig_mod", model)
-    return inner.no_sync() if isinstance(inner, DDP) else nullcontext()
-
-
 @dataclass
 class Training:
     """Everything one run holds; ``raw_model`` is the unwrapped module inside ``model``."""
@@ -93,8 +63,7 @@ class Training:
     config_record: dict[str, Any]  # cfg as stored in every checkpoint, converted once
     rt: Runtime
     run_dir: Path
-    raw_model: nn.Module
-    model: nn.Module
+    strategy: Strategy  # how the model is distributed; it holds the model
     data: DataBundle
     task: Task
     optimizer: torch.optim.Optimizer
@@ -131,6 +100,16 @@ class Training:
     # per-class accuracy, ... of which metrics.jsonl keeps the headline numbers.
     validation: dict[str, dict[str, Any]] = field(default_factory=dict)
 
+    @property
+    def model(self) -> nn.Module:
+        """What the training forward runs (wrapped by the strategy)."""
+        return self.strategy.model
+
+    @property
+    def raw_model(self) -> nn.Module:
+        """The unwrapped module: what checkpoints, EMA and predictions know."""
+        return self.strategy.raw_model
+
     def close(self, drain: bool = True) -> None:
         """Stop the helpers: signal handlers, watchdog, progress bar, the trackers, the
         loaders' workers."""
@@ -162,12 +141,12 @@ def global_batch(cfg: TrainConfig, rt: Runtime) -> int:
     return cfg.data.batch_size * rt.world_size * cfg.trainer.grad_accum_steps
 
 
-def build_ema(cfg: TrainConfig, rt: Runtime, raw_model: nn.Module) -> EMA | None:
+def build_ema(cfg: TrainConfig, rt: Runtime, strategy: Strategy) -> EMA | None:
     t = cfg.trainer
     if t.ema_decay is None:
         return None
     decay = ema_decay(t.ema_decay, t.ema_every_steps, global_batch(cfg, rt), t.epochs)
-    return EMA(raw_model, decay, t.ema_every_steps)
+    return strategy.make_ema(decay, t.ema_every_steps)
 
 
 def build_training(
@@ -180,8 +159,9 @@ def build_training(
     # per-rank seed so augmentation and dropout differ between ranks.
     seed_everything(cfg.seed)
     task = build_task(cfg)
-    raw_model = build_model(cfg.model, cfg.data, task.num_outputs())
-    model, raw_model = wrap_ddp(raw_model, t, rt)
+    strategy = build_strategy(t, rt)
+    strategy.wrap(build_model(cfg.model, cfg.data, task.num_outputs()))
+    raw_model = strategy.raw_model
     metrics = build_metrics(cfg.task, task, rt.device)
     check_task(task, raw_model, metrics, cfg, rt.device)
     seed_everything(cfg.seed + rt.rank)
@@ -195,8 +175,7 @@ def build_training(
         config_record=as_plain_dict(cfg),
         rt=rt,
         run_dir=run_dir,
-        raw_model=raw_model,
-        model=model,
+        strategy=strategy,
         data=data,
         task=task,
         optimizer=optimizer,
@@ -204,7 +183,7 @@ def build_training(
         warmup_steps=warmup_steps(cfg.sched, steps_per_epoch),
         scaler=torch.amp.GradScaler(rt.device.type, enabled=t.precision == "fp16"),
         amp=amp_context(t.precision, rt.device),
-        ema=build_ema(cfg, rt, raw_model),
+        ema=build_ema(cfg, rt, strategy),
         total_steps=total_steps,
         stop=StopRequest(timedelta(seconds=t.timeout_s)),
         watchdog=StepWatchdog(t.timeout_s, rt.rank),

@@ -1,4 +1,12 @@
-"""Checkpoints: written atomically by the main rank, loaded safely (weights only)."""
+"""The checkpoint format, in one place: written atomically (``step_<N>.pt``, ``last.pt`` and
+``best.pt`` published from it), loaded safely (weights only, a torn file named), and turned
+back into a model for eval.py and generate.py (``inference_model``).
+
+A training checkpoint is a dict of plain tensors and containers: ``model``, ``optimizer``,
+``scheduler``, ``scaler``, ``epoch``, ``step``, ``sample_offset``, ``epoch_totals``,
+``sampler``, ``rng`` (every rank's), ``best``, ``best_ema``, ``model_ema`` (with EMA),
+``world_size``, ``classes``, ``samples_seen``, ``trackers``, ``config`` (the run's whole
+config), and what the data adds for inference (``tokenizer``)."""
 
 from __future__ import annotations
 
@@ -12,9 +20,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddp_utils.config import ConfigError, whole_sentences
+from ddp_utils.config import ConfigError, TrainConfig, whole_sentences
 from ddp_utils.dist import Runtime
 from ddp_utils.files import atomic_save, atomic_write
+from ddp_utils.models import build_model
 from ddp_utils.run import write_on_main
 
 
@@ -168,3 +177,18 @@ def model_weights(ckpt: dict[str, Any], checkpoint: str | Path, ema: bool) -> di
             "trainer.ema_decay=0.9999 (for example), or drop ema=true."
         )
     return ckpt["model_ema"]["model"]
+
+
+def inference_model(
+    ckpt: dict[str, Any],
+    checkpoint: str | Path,
+    train_cfg: TrainConfig,
+    ema: bool,
+    num_outputs: int | None = None,
+    fix: str = "Give a train.py checkpoint.",
+) -> nn.Module:
+    """The model ``train_cfg`` describes, with the checkpoint's weights (its EMA weights with
+    ``ema``), on the CPU; ``fix`` is what to do when they do not fit."""
+    model = build_model(train_cfg.model, train_cfg.data, num_outputs)
+    load_model_state(model, model_weights(ckpt, checkpoint, ema), f"checkpoint={checkpoint}", fix)
+    return model
