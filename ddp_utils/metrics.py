@@ -26,10 +26,9 @@ from torch.utils.data import DataLoader
 from torchmetrics import Metric, MetricCollection
 
 from ddp_utils.config import ConfigError, TaskConfig
-from ddp_utils.data.samplers import BAD_LABEL, IGNORE_LABEL
 from ddp_utils.dist import Runtime, all_reduce_sum
 from ddp_utils.targets import why
-from ddp_utils.tasks import Batch, Task
+from ddp_utils.tasks import Task
 from ddp_utils.watchdog import StepWatchdog
 
 
@@ -117,17 +116,15 @@ def evaluate(
     totals = torch.zeros(4, dtype=torch.float64, device=rt.device)
     beat = watchdog.beat if watchdog is not None else lambda phase: None
     beat("val")
-    for images, labels in loader:
-        inputs = preprocess(images.to(rt.device, non_blocking=True))
-        labels = labels.to(rt.device, non_blocking=True)
-        bad = labels == BAD_LABEL  # counted apart, left out of the loss and the metrics
-        batch = Batch(inputs, torch.where(bad, IGNORE_LABEL, labels), all_real=not skip_bad)
+    for images, target in loader:
+        # Skipped images are counted apart, left out of the loss and the metrics.
+        batch = task.to_batch(images, target, rt.device, preprocess, skip_bad, not skip_bad)
         with amp():
             loss_sum, n = task.eval_step(model, batch, metrics)
         # Evaluation shards hold no padding: every row is a sample, but for a skipped image.
-        n_bad = bad.reshape(len(labels), -1).all(1).sum()
+        n_bad = torch.as_tensor(batch.skipped, device=rt.device)
         totals += torch.stack([loss_sum.double(), n.double(), n_bad.double(),
-                               (len(labels) - n_bad).double()])  # fmt: skip
+                               (batch.size - n_bad).double()])  # fmt: skip
         beat("val")
     if watchdog is not None:
         watchdog.disarm()

@@ -1,14 +1,18 @@
 """Your own data set: ``data=custom data._target_=pkg.module.fn +data.NAME=VALUE``.
 
 The target (built with Hydra's ``instantiate``) returns ``(train, val)``: two map-style data
-sets whose items are ``(image, label)``, the image a PIL image (any mode: 16-bit and float
-ones are scaled to 8 bits) or a tensor (uint8, uint16, or float in [0, 1]; CHW or HW). Each
-item is turned into a uint8 CHW tensor of ``data.in_channels`` channels, then goes through the
-same seeded transforms, samplers and on-device normalisation as an image folder.
+sets whose items are ``(image, target)``. The target is a class label, or a dict (boxes and
+their labels, say) that your task reads: a batch then holds a list of per-sample dicts. The
+image is a PIL image (any mode: 16-bit and float ones are scaled to 8 bits) or a tensor
+(uint8, uint16, or float in [0, 1]; CHW or HW). Each image is turned into a uint8 CHW tensor
+of ``data.in_channels`` channels, then goes through the same seeded transforms (a dict
+target's ``tv_tensors.BoundingBoxes`` with it), samplers and on-device normalisation as an
+image folder.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -65,10 +69,12 @@ class CustomSource(Dataset):
     def __len__(self) -> int:
         return len(self.ds)
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        image, label = self.ds[i]
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, Any]:
+        image, target = self.ds[i]
+        # A dict target (boxes, ...) is the task's to read; anything else is a class label.
+        target = target if isinstance(target, Mapping) else int(target)
         try:
-            return to_uint8_image(image, self.channels, f"{self.where}, item {i}"), int(label)
+            return to_uint8_image(image, self.channels, f"{self.where}, item {i}"), target
         except ConfigError as e:
             stop = f"{e}. Fix the item, or set data.skip_bad_images=true to skip such items."
             return self.bad.handle(i, stop, f"skipping {e}")

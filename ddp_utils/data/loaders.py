@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from ddp_utils.config import DataConfig
 from ddp_utils.data.builtin import ImageTensorDataset
 from ddp_utils.data.samplers import (
     IGNORE_LABEL,
+    SENTINEL,
     EpochTagged,
     EvalShardSampler,
     ResumableDistributedSampler,
@@ -58,6 +60,16 @@ def default_num_workers(local_world_size: int) -> int:
     return max(1, min(MAX_AUTO_WORKERS, (cores or 1) // local_world_size - 1))
 
 
+def collate(items: list[tuple[Any, Any]]) -> Any:
+    """DataLoader's ``default_collate``, except that per-sample dict targets (boxes of
+    different lengths) stay a list of dicts, torchvision detection's layout; a sentinel label
+    among them (a padding duplicate, a skipped image) becomes ``{SENTINEL: label}``."""
+    if not any(isinstance(target, Mapping) for _, target in items):
+        return default_collate(items)
+    images = default_collate([image for image, _ in items])
+    return images, [t if isinstance(t, Mapping) else {SENTINEL: int(t)} for _, t in items]
+
+
 def worker_loader(ds: Dataset, sampler: Sampler, cfg: DataConfig, rt: Runtime) -> DataLoader:
     """The standard DataLoader: worker processes, pinned memory on CUDA, prefetching.
 
@@ -76,6 +88,7 @@ def worker_loader(ds: Dataset, sampler: Sampler, cfg: DataConfig, rt: Runtime) -
         persistent_workers=workers > 0,
         prefetch_factor=cfg.prefetch_factor if workers > 0 else None,
         generator=torch.Generator().manual_seed(0),
+        collate_fn=collate,
     )
 
 

@@ -13,6 +13,8 @@ from ddp_utils.dist import Runtime
 
 IGNORE_LABEL = -100  # cross_entropy's default ignore_index: a padding duplicate
 BAD_LABEL = -101  # an image that could not be read, skipped under data.skip_bad_images=true
+# A per-sample dict target (boxes) that stands for one of those: {SENTINEL: IGNORE_LABEL}
+SENTINEL = "ddp_recipes_sentinel"
 
 
 class EvalShardSampler(Sampler[int]):

@@ -12,7 +12,7 @@ a mid-epoch resume changes what a sample looks like. Normalisation stays on the 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -103,7 +103,11 @@ class SeededTransform(Dataset):
         return image, target if real else self.ignored(target)
 
     def apply(self, image: torch.Tensor, target: Any) -> tuple[torch.Tensor, Any]:
-        """The seeded transform of one sample (the image alone; a pair subclass moves both)."""
+        """The seeded transform of one sample: the image alone, or with a dict target the two
+        together (``tv_tensors.BoundingBoxes`` in it are resized and cropped with the image;
+        other entries pass through)."""
+        if isinstance(target, Mapping):
+            return self.transform(image, target)
         return self.transform(image), target
 
     def ignored(self, target: Any) -> Any:

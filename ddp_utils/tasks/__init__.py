@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -81,14 +82,23 @@ class _NamedUpdates:
 
     def update(self, *args: Any, **kwargs: Any) -> None:
         for name, metric in self.metrics.items(keep_base=True):
-            try:
-                metric.update(*args, **kwargs)
-            except Exception as e:
-                raise ConfigError(
-                    f"task.metrics.{name} ({type(metric).__name__}) cannot take this task's "
-                    f"batches ({why(e)}). Fix its arguments "
-                    f"(+task.metrics.{name}.num_classes='${{data.num_classes}}', say)."
-                ) from None
+            _NamedUpdates.one(name, metric, args, kwargs)
+
+    def __getitem__(self, name: str) -> Any:
+        """One metric (a task that feeds each its own values): its update is checked alone."""
+        metric = self.metrics[name]
+        return SimpleNamespace(update=lambda *a, **kw: _NamedUpdates.one(name, metric, a, kw))
+
+    @staticmethod
+    def one(name: str, metric: Any, args: tuple, kwargs: dict) -> None:
+        try:
+            metric.update(*args, **kwargs)
+        except Exception as e:
+            raise ConfigError(
+                f"task.metrics.{name} ({type(metric).__name__}) cannot take this task's "
+                f"batches ({why(e)}). Fix its arguments "
+                f"(+task.metrics.{name}.num_classes='${{data.num_classes}}', say)."
+            ) from None
 
 
 class _Checked(nn.Module):
@@ -169,10 +179,15 @@ def loss_and_count(task: Task, method: str, returned: Any) -> tuple[float, float
 
 
 def doubled(batch: Batch) -> Batch | None:
-    """The batch with each row twice (None where its parts are not plain tensors)."""
-    if not (isinstance(batch.inputs, torch.Tensor) and isinstance(batch.target, torch.Tensor)):
+    """The batch with each row twice (None where its parts are neither plain tensors nor a
+    list of per-sample targets)."""
+    if not isinstance(batch.inputs, torch.Tensor):
         return None
-    return Batch(torch.cat([batch.inputs] * 2), torch.cat([batch.target] * 2), batch.all_real)
+    if isinstance(batch.target, torch.Tensor):
+        return Batch(torch.cat([batch.inputs] * 2), torch.cat([batch.target] * 2), batch.all_real)
+    if isinstance(batch.target, list):
+        return Batch(torch.cat([batch.inputs] * 2), batch.target * 2, batch.all_real)
+    return None
 
 
 def check_sums(task: Task, model: nn.Module, batch: Batch, metrics: Any,

@@ -7,6 +7,7 @@ know nothing of the task; they call ``train_loss`` for every micro-batch and eva
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,36 +15,79 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddp_utils.data.samplers import IGNORE_LABEL
+from ddp_utils.data.samplers import BAD_LABEL, IGNORE_LABEL, SENTINEL
 from ddp_utils.models.probe import blank_images
+
+
+def to_device(target: Any, device: torch.device) -> Any:
+    """A target of any shape with its tensors on ``device``: a tensor, a dict of tensors, or
+    a list of per-sample dicts (boxes of different lengths)."""
+    if isinstance(target, torch.Tensor):
+        return target.to(device, non_blocking=True)
+    if isinstance(target, Mapping):
+        return {k: to_device(v, device) for k, v in target.items()}
+    if isinstance(target, list | tuple):
+        return [to_device(v, device) for v in target]
+    return target
+
+
+def sentinel_of(sample: Any) -> int | None:
+    """A per-sample dict target's sentinel (``IGNORE_LABEL``, ``BAD_LABEL``), if it is one."""
+    return sample.get(SENTINEL) if isinstance(sample, Mapping) else None
 
 
 @dataclass
 class Batch:
-    """One device batch: ``inputs`` preprocessed (normalised, augmented), ``target`` the labels,
-    ``IGNORE_LABEL`` where a row is not a real sample (a padding duplicate at an epoch's end, or
-    a skipped unreadable image). Sums over ``real`` rows make means exact at any world size."""
+    """One device batch: ``inputs`` preprocessed (normalised, augmented) and ``target``, one of
+    - a tensor of labels (or masks, or token ids), ``IGNORE_LABEL`` where a row (pixel, token)
+      is not counted: a padding duplicate at an epoch's end, a skipped unreadable image;
+    - a list of per-sample dicts (torchvision detection's layout: boxes of varying length), a
+      sample that is not counted being ``{SENTINEL: IGNORE_LABEL}``;
+    - a dict of batched tensors (every row counted).
+    Sums over ``real`` rows make means exact at any world size."""
 
-    inputs: torch.Tensor
-    target: torch.Tensor
+    inputs: Any
+    target: Any
     all_real: bool = False  # known to hold no padding and no skipped image: no mask needed
+    skipped: torch.Tensor | int = 0  # unreadable images in it (data.skip_bad_images)
+
+    @property
+    def size(self) -> int:
+        """The number of samples (rows), real or not."""
+        if isinstance(self.target, Mapping):
+            return len(next(iter(self.target.values())))
+        return len(self.target)
 
     @property
     def real(self) -> torch.Tensor:
-        """A bool mask of the real rows."""
-        return self.target != IGNORE_LABEL
+        """A bool mask of the real rows (elements, for a tensor target; samples, for a list)."""
+        if isinstance(self.target, torch.Tensor):
+            return self.target != IGNORE_LABEL
+        device = self.inputs.device if isinstance(self.inputs, torch.Tensor) else None
+        if isinstance(self.target, Mapping):
+            return torch.ones(self.size, dtype=torch.bool, device=device)
+        flags = [sentinel_of(t) is None for t in self.target]
+        return torch.tensor(flags, dtype=torch.bool, device=device)
 
     def count(self) -> torch.Tensor:
         """The number of real rows (real pixels for a mask target), on the device."""
         return self.real.sum()
 
-    def select(self, x: torch.Tensor) -> torch.Tensor:
-        """``x``'s real rows (for metrics; a host sync unless ``all_real``)."""
-        return x if self.all_real else x[self.real]
+    def select(self, x: Any) -> Any:
+        """``x``'s real rows (for metrics; a host sync unless ``all_real``): a tensor indexed
+        by the mask, or a list (per-sample dicts) filtered."""
+        if self.all_real:
+            return x
+        if isinstance(x, torch.Tensor):
+            return x[self.real]
+        return [v for v, keep in zip(x, self.real.tolist(), strict=True) if keep]
 
 
 class Task:
     """Subclass and override ``train_loss`` and ``eval_step`` (and ``metrics``).
+
+    - ``to_batch(images, target, ...)``: a loader item as a ``Batch`` on the device; the
+      default moves a target of any shape (tensor, dict, list of per-sample dicts).
 
     - ``train_loss(model, batch)``: (loss summed over the real rows, their count), both device
       tensors; the loop divides one by the other, so the mean is exact with padding and
@@ -60,6 +104,21 @@ class Task:
       ``num_outputs()``: the model's ``num_classes`` argument (None: ``data.num_classes``),
       one for a regression, say. ``draw(...)``: a picture of predictions (segmentation's).
     """
+
+    def to_batch(self, images: Any, target: Any, device: torch.device, preprocess: nn.Module,
+                 skip_bad: bool = False, all_real: bool = False) -> Batch:  # fmt: skip
+        """A loader's item as a device batch: the images preprocessed, the target's tensors
+        moved. With ``skip_bad`` unreadable images (``BAD_LABEL``) are counted in
+        ``Batch.skipped`` and marked not real."""
+        inputs = preprocess(images.to(device, non_blocking=True))
+        target, skipped = to_device(target, device), 0
+        if skip_bad and isinstance(target, torch.Tensor):
+            bad = target == BAD_LABEL
+            skipped = bad.reshape(len(target), -1).all(1).sum()
+            target = torch.where(bad, IGNORE_LABEL, target)
+        elif skip_bad and isinstance(target, list):
+            skipped = sum(sentinel_of(t) == BAD_LABEL for t in target)
+        return Batch(inputs, target, all_real, skipped)
 
     def train_loss(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ddp_utils.config import TrainConfig, skips_bad_images
-from ddp_utils.data import BAD_LABEL, IGNORE_LABEL, resolve_data
+from ddp_utils.data import resolve_data
 from ddp_utils.dist import Runtime, all_reduce_sum
 from ddp_utils.metrics import evaluate, scalars
 from ddp_utils.preemption import Preempted
@@ -31,7 +31,7 @@ from ddp_utils.run import (
     write_on_main,
     write_run_files,
 )
-from ddp_utils.tasks import Batch, draw_predictions
+from ddp_utils.tasks import draw_predictions
 from ddp_utils.tracking import TrackedRun, environment_text, peak_memory_mb
 from ddp_utils.train.callbacks import Callback
 from ddp_utils.train.finite import diverged
@@ -58,16 +58,15 @@ def optimizer_step(tr: Training) -> None:
         tr.strategy.update_ema(tr.ema, tr.step, in_warmup=tr.step <= tr.warmup_steps)
 
 
-def train_step(tr: Training, images: torch.Tensor, labels: torch.Tensor, scale: float) -> None:
+def train_step(tr: Training, images: Any, target: Any, scale: float) -> None:
     """Forward, loss, backward of one micro-batch; the loss is summed into ``epoch_totals``."""
-    images = tr.data.preprocess_train(images.to(tr.rt.device, non_blocking=True))
-    labels = labels.to(tr.rt.device, non_blocking=True)
-    if skips_bad_images(tr.cfg.data):  # an unreadable image, skipped: counted apart, ignored
-        tr.epoch_totals[2] += (labels == BAD_LABEL).sum()
-        labels = torch.where(labels == BAD_LABEL, IGNORE_LABEL, labels)
-    # Padding duplicates carry an ignored label: the task sums over real samples only.
+    skip_bad = skips_bad_images(tr.cfg.data)
+    batch = tr.task.to_batch(images, target, tr.rt.device, tr.data.preprocess_train, skip_bad)
+    if skip_bad:  # an unreadable image, skipped: counted apart, ignored
+        tr.epoch_totals[2] += batch.skipped
+    # Padding duplicates are not real: the task sums over real samples only.
     with tr.amp():
-        loss_sum, n_real = tr.task.train_loss(tr.model, Batch(images, labels))
+        loss_sum, n_real = tr.task.train_loss(tr.model, batch)
     tr.scaler.scale(loss_sum / n_real.clamp(min=1) * scale).backward()
     loss_sum = loss_sum.detach()
     if tr.scaler.is_enabled():
@@ -92,13 +91,13 @@ def train_one_epoch(tr: Training) -> dict[str, float] | None:
     tr.model.train()
     n_batches = len(loader)
     tr.progress.start_epoch(tr.epoch, tr.step, math.ceil(n_batches / accum))
-    for i, (images, labels) in enumerate(loader):
+    for i, (images, target) in enumerate(loader):
         group_start = i - i % accum
         group_len = min(accum, n_batches - group_start)
         last_micro = i == group_start + group_len - 1
         # Only the last micro-batch of a group all-reduces its gradients.
         with contextlib.nullcontext() if last_micro else tr.strategy.no_sync():
-            train_step(tr, images, labels, scale=1.0 / group_len)
+            train_step(tr, images, target, scale=1.0 / group_len)
         if last_micro:
             optimizer_step(tr)
             offset = sampler.consumed(i + 1, tr.cfg.data.batch_size)
