@@ -7,7 +7,7 @@ NPROC  ?= 2
 ARGS   ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install train test lint format clean bench bench-gpu bench-data bench-seg bench-peer bench-profile bench-lm bench-nanogpt recipes
+.PHONY: help install train test test-fast docs lint format clean bench bench-gpu bench-data bench-seg bench-peer bench-profile bench-lm bench-nanogpt recipes
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -24,6 +24,12 @@ train: $(STAMP)  ## train on the embedded digits with NPROC (default 2) processe
 
 test: $(STAMP)  ## run the whole test suite (one test file per CPU at a time)
 	$(BIN)/python -m pytest -n auto --dist loadfile $(ARGS)
+
+test-fast: $(STAMP)  ## the unit and config tests and the docs build (about a minute): the inner loop
+	$(BIN)/python -m pytest -n auto $(wildcard tests/test_*units.py) tests/test_config.py tests/test_docs.py -k "not runs_as_written" $(ARGS)
+
+docs: $(STAMP)  ## build the documentation site into site/ (mkdocs build --strict: a broken link fails)
+	$(BIN)/mkdocs build --strict
 
 bench: $(STAMP)  ## speed: tutorial loop vs train.py vs raw bound on the CPU (a few minutes)
 	$(BIN)/python bench/bench.py --device cpu

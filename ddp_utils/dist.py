@@ -141,7 +141,7 @@ def launch_store(launch: LaunchEnv, timeout: timedelta) -> dist.Store:
     connect (pytorch/pytorch#135712). Prefixing the keys with the restart count keeps each
     attempt apart. Each agent counts its own restarts, so across nodes the counts can differ:
     multi-node jobs with --max-restarts should set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, which
-    gives every attempt a new store of its own (see the README).
+    gives every attempt a new store of its own (see docs/resume.md).
     """
     agent_hosts_it = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(

@@ -1,6 +1,6 @@
 """What the entry scripts share: Hydra registration, and exits that read as one message.
 
-Exit codes (the README's table): 0 finished, 1 a crash (with its traceback), 2 a user's
+Exit codes (docs/resume.md): 0 finished, 1 a crash (with its traceback), 2 a user's
 mistake, 3 a diverged run (non-finite loss or weights), 75 stopped on request (SIGTERM,
 SIGUSR1/2: relaunch to resume), 130 stopped by Ctrl-C (SIGINT; relaunch to resume).
 """

@@ -44,6 +44,12 @@ def pytest_collection_modifyitems(items: list) -> None:
     items.sort(key=rank)  # stable: the order within a file is kept
 
 
+def documentation() -> str:
+    """The README and every page of docs/, as one text."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    return "\n".join(p.read_text() for p in pages)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

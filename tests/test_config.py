@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import fields
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, documentation
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
@@ -219,7 +219,7 @@ def test_help_and_readme_list_each_options_own_keys():
     assert "  data=digits: val_fraction split_seed val_slice" in text
     assert "  data=synthetic: num_train num_val" in text
     assert "  model=mlp: hidden" in text and "  task=custom: +task.NAME=VALUE" in text
-    assert f"```text\n{text}\n```" in (ROOT / "README.md").read_text()
+    assert f"```text\n{text}\n```" in documentation()
 
 
 def test_eval_composes_with_the_checkpoints_own_options(tmp_path):

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import ROOT, eval_at_world_sizes, read_metrics, run_forked, run_script
+from conftest import ROOT, documentation, eval_at_world_sizes, read_metrics, run_forked, run_script
 
 AUROC = ("+task.metrics.auroc._target_=torchmetrics.classification.MulticlassAUROC",
          "+task.metrics.auroc.num_classes=${data.num_classes}")  # fmt: skip
@@ -85,7 +85,7 @@ TASK = ("task=custom", "task._target_=custom_tasks.DigitValue", "task.monitor=ma
 
 @pytest.fixture(scope="module")
 def regression_run(tmp_path_factory):
-    """The README's custom task: the digits' value regressed with MSE, scored by MAE."""
+    """docs/extend/task.md's custom task: the digits' value regressed with MSE, scored by MAE."""
     run = tmp_path_factory.mktemp("regression")
     run_script("train.py", *TASK, "optim.lr=0.01", "trainer.precision=32", "logger=none",
                f"run_dir={run}", nproc=2, env={"PYTHONPATH": str(ROOT / "tests")})  # fmt: skip
@@ -108,7 +108,7 @@ def test_a_custom_task_trains_picks_best_by_its_metric_and_evaluates(regression_
 
 
 def test_the_readmes_custom_task_is_the_tested_one():
-    readme = (ROOT / "README.md").read_text()
+    readme = documentation()
     code = (ROOT / "tests" / "custom_tasks.py").read_text()
     example = code.split("\n\n\nclass NoEvalStep")[0].strip()
     assert f"```python\n# mypkg/tasks.py\n{example.split(chr(10), 1)[1].strip()}\n```" in readme

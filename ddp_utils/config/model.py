@@ -52,7 +52,7 @@ class ConvNetModel(ModelConfig):
 
     channels: list[int] = field(default_factory=lambda: [16, 32])  # one conv block each
     batch_norm: bool = True  # off gives a model whose DDP math is BN-free
-    bf16_on_cpu: ClassVar[bool] = True  # AMX: 24.9 vs 35.9 ms a step at 28 px (README)
+    bf16_on_cpu: ClassVar[bool] = True  # AMX: 24.9 vs 35.9 ms a step at 28 px (docs/speed.md)
 
     def check(self) -> None:
         if not self.channels or any(c < 1 for c in self.channels):

@@ -8,6 +8,7 @@ all-reduce over one rank is the identity) and only adds its reducer's hooks to e
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
+from typing import Any
 
 import torch
 from torch import nn
@@ -25,16 +26,20 @@ class DDPStrategy(Strategy):
         raw_model.to(rt.device, memory_format=memory_format_of(t.channels_last))
         self.raw_model = self.model = raw_model
         if rt.world_size > 1:
-            self.model = DDP(
-                raw_model,
-                device_ids=[rt.device.index] if rt.device.type == "cuda" else None,
-                bucket_cap_mb=t.bucket_cap_mb,
-                gradient_as_bucket_view=t.gradient_as_bucket_view,
-                static_graph=t.static_graph,
-            )
+            self.model = DDP(raw_model, **self.ddp_options())
         if t.compile:
             self.model = torch.compile(self.model)
         return self.model
+
+    def ddp_options(self) -> dict[str, Any]:
+        """DistributedDataParallel's arguments (a subclass adds its own)."""
+        t, rt = self.trainer, self.rt
+        return {
+            "device_ids": [rt.device.index] if rt.device.type == "cuda" else None,
+            "bucket_cap_mb": t.bucket_cap_mb,
+            "gradient_as_bucket_view": t.gradient_as_bucket_view,
+            "static_graph": t.static_graph,
+        }
 
     def no_sync(self) -> AbstractContextManager:
         """DDP's ``no_sync``: gradients kept local until the group's last micro-batch."""

@@ -68,7 +68,7 @@ def build_task(cfg: TrainConfig) -> Task:
         raise ConfigError(
             f"task._target_={t._target_} has no {' or '.join(missing)}: subclass "
             "ddp_utils.tasks.Task and define train_loss(model, batch) and "
-            "eval_step(model, batch, metrics) (the README's custom task shows both)."
+            "eval_step(model, batch, metrics) (docs/extend/task.md shows both)."
         )
     return task
 
@@ -151,7 +151,7 @@ def check_task(
 
 
 CONTRACT = ("return (the loss summed over the batch's real rows, their count): two tensors, "
-            "the loop divides one by the other (the README's custom task)")  # fmt: skip
+            "the loop divides one by the other (docs/extend/task.md)")  # fmt: skip
 
 
 def shown(x: Any) -> str:

@@ -23,7 +23,7 @@ def native_bf16(device: torch.device) -> bool:
 
 
 def resolve_precision(precision: str, device: torch.device, model: Any = None) -> str:
-    """``auto``: bf16 where it was measured faster (the README's table), else full precision.
+    """``auto``: bf16 where it was measured faster (docs/speed.md), else full precision.
     CUDA from Ampere on. On a CPU only with AMX tiles, and only for a model option that
     declares ``bf16_on_cpu`` (the tutorial's ConvNet: 1.44x at 28 px); a GPT (0.74x) or a
     ResNet (0.90x) train slower there in bf16, as every model does without AMX."""
