@@ -32,6 +32,7 @@ from ddp_utils.dist import init_distributed  # noqa: E402
 from ddp_utils.entry import register  # noqa: E402
 from ddp_utils.models import memory_format_of  # noqa: E402
 from ddp_utils.models.nets import ConvNet  # noqa: E402
+from ddp_utils.train.callbacks import build_callbacks  # noqa: E402
 from ddp_utils.train.loop import train_one_epoch  # noqa: E402
 from ddp_utils.train.state import build_training, resolve_auto  # noqa: E402
 
@@ -102,7 +103,7 @@ def tutorial_loop(cfg, rt, ds):
 
 def train_py_loop(cfg, rt, run_dir, opened: list):
     """train.py's own epoch loop with its defaults."""
-    tr = build_training(resolve_auto(cfg, rt), rt, run_dir)
+    tr = build_training(resolve_auto(cfg, rt), rt, run_dir, build_callbacks(cfg.callbacks))
     opened.append(tr)
 
     def run():

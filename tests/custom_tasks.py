@@ -1,4 +1,4 @@
-"""The custom task of docs/extend/task.md, as a test module: task=custom task._target_=custom_tasks.DigitValue."""
+"""docs/extend/task.md's custom task: task=custom task._target_=custom_tasks.DigitValue."""
 
 import torch
 from torchmetrics import MeanAbsoluteError

@@ -6,7 +6,10 @@ another option (``data=digits data.train_dir=x``) is refused at composition, by 
 
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 from ddp_utils.config.errors import (
@@ -347,6 +350,9 @@ class VOCData(SegmentationData):
     val_set: str = "val"
 
 
+# data=pystdlib's rule that cuts train from val; a new rule makes older caches stale (2:
+# nanoGPT's ``int(n * (1 - val_fraction))`` training characters, issue 33).
+SPLIT_RULE = 2
 TOKEN_DTYPES = ("uint8", "uint16", "uint32")
 TOKENIZERS = ("char", "bytes")  # data=pystdlib's; prepare_text also has bpe
 
@@ -404,6 +410,10 @@ class TokenData(DataConfig):
     def describe_inputs(self) -> str:
         return f"sequences of {self.block_size} token ids"
 
+    def folder(self) -> Path:
+        """Where train.bin, val.bin and meta.json are."""
+        return Path(self.root)
+
 
 @dataclass
 class PyStdlibData(TokenData):
@@ -422,6 +432,19 @@ class PyStdlibData(TokenData):
         super().check()
         check_choice("data.tokenizer", self.tokenizer, TOKENIZERS)
         check_holdout(self.val_fraction, None)
+
+    def source_key(self) -> str:
+        """What the prepared corpus is made from: a folder holding another is rebuilt."""
+        version = ".".join(map(str, sys.version_info[:3]))
+        return f"python{version}-{self.tokenizer}-val{self.val_fraction}-split{SPLIT_RULE}"
+
+    def folder(self) -> Path:
+        """``data.root``, or the corpus' folder in the per-user data cache
+        (``$XDG_CACHE_HOME/ddp-recipes/pystdlib/<source_key>``, by default under ~/.cache)."""
+        if self.root is not None:
+            return Path(self.root)
+        cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+        return cache / "ddp-recipes" / "pystdlib" / self.source_key()
 
 
 DATA_OPTIONS: dict[str, type[DataConfig]] = {

@@ -79,7 +79,7 @@ def options_of_schema(class_name: str) -> tuple[str, list[str]] | None:
 
 
 def options_help(width: int = 96) -> str:
-    """Each option's own keys, group by group: the --help section and the list in docs/launching.md."""
+    """Each option's own keys, group by group: --help and the list in docs/launching.md."""
     lines: list[str] = []
     for group, (base, options) in GROUPS.items():
         common = " ".join(keys_of(base))

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 import sysconfig
 from pathlib import Path
 
@@ -24,7 +23,7 @@ from ddp_utils.data.tokens import resolve as resolve_tokens
 from ddp_utils.dist import Runtime, local_main_first
 from ddp_utils.run import log
 
-__all__ = ["build", "build_eval", "offered", "prepare_pystdlib", "pystdlib_root", "resolve"]
+__all__ = ["build", "build_eval", "offered", "prepare_pystdlib", "resolve"]
 
 SKIPPED = frozenset({"test", "tests", "idle_test", "site-packages", "__pycache__"})
 
@@ -36,33 +35,13 @@ def stdlib_files() -> tuple[Path, list[Path]]:
     return root, sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 
-# The rule that cuts train from val; a new rule makes older caches stale (2: nanoGPT's
-# ``int(n * (1 - val_fraction))`` training characters, issue 33).
-SPLIT_RULE = 2
-
-
-def source_key(cfg: PyStdlibData) -> str:
-    version = ".".join(map(str, sys.version_info[:3]))
-    return f"python{version}-{cfg.tokenizer}-val{cfg.val_fraction}-split{SPLIT_RULE}"
-
-
-def default_root(cfg: PyStdlibData) -> Path:
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache / "ddp-recipes" / "pystdlib" / source_key(cfg)
-
-
-def pystdlib_root(cfg: PyStdlibData) -> Path:
-    """``data.root``, or the corpus' folder in the per-user data cache."""
-    return Path(cfg.root) if cfg.root is not None else default_root(cfg)
-
-
 def prepare_pystdlib(cfg: PyStdlibData) -> Path:
     """Write the corpus' token files unless the folder already holds this source's."""
     from ddp_utils.data.text import prepare
 
-    out = pystdlib_root(cfg)
+    out = cfg.folder()
     meta = out / "meta.json"
-    key = source_key(cfg)
+    key = cfg.source_key()
     source = json.loads(meta.read_text()).get("source", "") if meta.is_file() else ""
     if source == key:
         return out

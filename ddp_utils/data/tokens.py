@@ -53,11 +53,7 @@ class TokenMeta:
 
 def token_root(cfg: TokenData) -> Path:
     """``data.root``; for data=pystdlib without one, its folder in the per-user data cache."""
-    if cfg.root is not None:
-        return Path(cfg.root)
-    from ddp_utils.data.pystdlib import pystdlib_root  # the one option whose root may be null
-
-    return pystdlib_root(cfg)
+    return cfg.folder()
 
 
 def read_meta(cfg: TokenData) -> TokenMeta:

@@ -33,7 +33,7 @@ from ddp_utils.run import (
 )
 from ddp_utils.tasks import draw_predictions
 from ddp_utils.tracking import TrackedRun, environment_text, peak_memory_mb
-from ddp_utils.train.callbacks import Callback
+from ddp_utils.train.callbacks import Callback, build_callbacks
 from ddp_utils.train.finite import diverged
 from ddp_utils.train.resume import resume, save
 from ddp_utils.train.state import (
@@ -298,7 +298,7 @@ def fit(
     try:
         try:
             setup_logging(run.path, rt, "train")
-            tr = build_training(cfg, rt, run.path, callbacks)
+            tr = build_training(cfg, rt, run.path, build_callbacks(cfg.callbacks, callbacks))
             try:
                 train_epochs(tr)
                 if (run.path / "metrics.jsonl").exists():

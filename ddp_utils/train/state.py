@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -27,7 +27,6 @@ from ddp_utils.progress import Progress
 from ddp_utils.strategy import Strategy, build_strategy, strategy_class
 from ddp_utils.tasks import Task, build_task, check_task
 from ddp_utils.tracking import Trackers, build_trackers
-from ddp_utils.train.callbacks import Callback, CallbackList, build_callbacks
 from ddp_utils.train.precision import amp_context, resolve_precision
 from ddp_utils.train.rng import seed_everything
 from ddp_utils.watchdog import StepWatchdog
@@ -77,7 +76,9 @@ class Training:
     watchdog: StepWatchdog
     progress: Progress
     trackers: Trackers  # the main rank's; started after the resume
-    callbacks: CallbackList
+    # A ddp_utils.train.callbacks.CallbackList (that module's hooks take a Training, so this
+    # one does not import it back).
+    callbacks: Any
     metrics: MetricCollection  # validation's, reset for each model scored
     # This rank's (loss sum, its count, skipped images) of the epoch so far, on the device;
     # the count is the samples' (classification) or the counted pixels' (segmentation).
@@ -149,9 +150,7 @@ def build_ema(cfg: TrainConfig, rt: Runtime, strategy: Strategy) -> EMA | None:
     return strategy.make_ema(decay, t.ema_every_steps)
 
 
-def build_training(
-    cfg: TrainConfig, rt: Runtime, run_dir: Path, extra_callbacks: Sequence[Callback] = ()
-) -> Training:
+def build_training(cfg: TrainConfig, rt: Runtime, run_dir: Path, callbacks: Any) -> Training:
     """Every rank: the model, data, optimizer and the helpers of one run (the stop request
     creates a process group, so all ranks must call this). ``cfg`` has a resolved precision."""
     t = cfg.trainer
@@ -195,7 +194,7 @@ def build_training(
             unit=data.unit.short,
         ),  # fmt: skip
         trackers=build_trackers(cfg.logger, cfg.logger_cfg, rt),
-        callbacks=build_callbacks(cfg.callbacks, extra_callbacks),
+        callbacks=callbacks,
         metrics=metrics,
         epoch_totals=torch.zeros(3, dtype=torch.float64, device=rt.device),
     )
