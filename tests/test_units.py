@@ -433,3 +433,28 @@ def test_optimizers_are_fused_and_a_single_process_trains_its_module_without_ddp
                  device=torch.device("cpu"), backend="gloo")  # fmt: skip
     strategy = build_strategy(TrainerConfig(channels_last="false"), rt)
     assert strategy.wrap(module) is strategy.raw_model is module
+
+
+def test_what_identifies_a_run_is_declared_by_its_options():
+    """resume refuses a change of a key the data or task option declares in ``identity``, and
+    takes any other (a data option of the user's own extends its parent's declaration)."""
+    from dataclasses import dataclass
+    from typing import ClassVar
+
+    from ddp_utils.config import PyStdlibData, SyntheticData, TrainConfig, as_plain_dict
+    from ddp_utils.train.resume import config_changes, identity_keys
+
+    cfg = TrainConfig(data=PyStdlibData(tokenizer="bytes", batch_size=8))
+    stored = as_plain_dict(TrainConfig(data=PyStdlibData(tokenizer="char", batch_size=4)))
+    refused, allowed = config_changes(stored, cfg)
+    assert refused == ["data.tokenizer: 'char' -> 'bytes'"]
+    assert allowed == ["data.batch_size: 4 -> 8"]
+
+    @dataclass
+    class Shapes(SyntheticData):
+        identity: ClassVar[tuple[str, ...]] = SyntheticData.identity + ("sides",)
+        sides: int = 3
+
+    keys = identity_keys(TrainConfig(data=Shapes()))
+    assert {"data.sides", "data.num_train", "seed", "model."} <= set(keys)
+    assert "data.batch_size" not in keys

@@ -56,6 +56,9 @@ class DataConfig:
     # The module that builds this option's loaders (``ddp_utils.data.registry`` says what it
     # defines); a new data family is that module, its schema here and its conf/data file.
     family: ClassVar[str] = "ddp_utils.data.in_memory"
+    # The keys whose change makes a checkpoint another experiment's (resume refuses it).
+    identity: ClassVar[tuple[str, ...]] = ("name", "in_channels", "image_size", "num_classes",
+                                           "mean", "std")  # fmt: skip
 
     name: str = "digits"  # the option's name: digits | mnist | imagefolder | ...
     batch_size: int = 100  # per process
@@ -112,6 +115,12 @@ class DataConfig:
 class DigitsData(DataConfig):
     """data=digits: scikit-learn's bundled 8x8 digits, split in memory."""
 
+    identity: ClassVar[tuple[str, ...]] = DataConfig.identity + (
+        "val_fraction",
+        "split_seed",
+        "val_slice",
+    )
+
     val_fraction: float = 0.2  # share held out for validation
     split_seed: int = 0  # fixed split, independent of the training seed
     # Which held-out slice is the validation set: slice k of val_fraction of a split_seed
@@ -127,6 +136,8 @@ class DigitsData(DataConfig):
 class TorchvisionData(DataConfig):
     """data=mnist | fashion_mnist | cifar10: torchvision's files under data.root, decoded
     once into memory."""
+
+    identity: ClassVar[tuple[str, ...]] = DataConfig.identity + ("split_seed", "val_slice")
 
     name: str = "mnist"
     root: str = "data"
@@ -144,6 +155,8 @@ class TorchvisionData(DataConfig):
 @dataclass
 class SyntheticData(DataConfig):
     """data=synthetic: random images and labels of the declared shape."""
+
+    identity: ClassVar[tuple[str, ...]] = DataConfig.identity + ("num_train", "num_val")
 
     name: str = "synthetic"
     num_train: int = 8000
@@ -193,6 +206,8 @@ class ImageFolderData(StreamedData):
 @dataclass
 class CustomData(StreamedData):
     """data=custom: a callable of yours that returns (train, val) data sets."""
+
+    identity: ClassVar[tuple[str, ...]] = DataConfig.identity + ("_target_", "kwargs")
 
     name: str = "custom"
     _target_: str | None = None  # pkg.module.fn
@@ -266,6 +281,8 @@ class CanvasData(SegmentationData):
     """What data=digits_seg and mnist_seg share: canvases of one to three digits at random
     places, made once in memory; mask = digit + 1 on the digit's pixels, 0 elsewhere."""
 
+    identity: ClassVar[tuple[str, ...]] = DataConfig.identity + ("split_seed", "val_slice")
+
     canvas_size: int = 32
     digit_scales: list[int] = field(default_factory=lambda: [2, 3])  # upscaling factors
     max_digits: int = 3
@@ -286,6 +303,8 @@ class CanvasData(SegmentationData):
 @dataclass
 class DigitsSegData(CanvasData):
     """data=digits_seg: canvases of scikit-learn's bundled 8x8 digits."""
+
+    identity: ClassVar[tuple[str, ...]] = CanvasData.identity + ("val_fraction",)
 
     val_fraction: float = 0.2  # the share of the digits held out for validation
 
@@ -364,6 +383,7 @@ class TokenData(DataConfig):
 
     holds: ClassVar[str] = "tokens"
     family: ClassVar[str] = "ddp_utils.data.tokens"
+    identity: ClassVar[tuple[str, ...]] = DataConfig.identity + ("block_size", "vocab_size")
     root_may_be_null: ClassVar[bool] = False
     wrong_task: ClassVar[str] = (
         "data={data} holds token ids: train it with task=language_model and model=gpt (or "
@@ -421,6 +441,7 @@ class PyStdlibData(TokenData):
     tokenized once into root (null = the per-user data cache)."""
 
     family: ClassVar[str] = "ddp_utils.data.pystdlib"
+    identity: ClassVar[tuple[str, ...]] = TokenData.identity + ("tokenizer", "val_fraction")
     root_may_be_null: ClassVar[bool] = True  # the per-user cache
 
     name: str = "pystdlib"

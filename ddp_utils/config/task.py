@@ -36,6 +36,8 @@ class TaskConfig:
     # trainer.label_smoothing) mean something to it: they are handed to its target, and
     # refused by a task without them.
     label_options: ClassVar[bool] = True
+    # The keys whose change makes a checkpoint another experiment's (resume refuses it).
+    identity: ClassVar[tuple[str, ...]] = ("name", "_target_", "kwargs")
 
     def check(self) -> None:
         """Value ranges the types cannot express; ConfigError naming the key."""

@@ -26,15 +26,14 @@ from ddp_utils.train.rng import capture_rng, restore_rng, seed_everything
 if TYPE_CHECKING:
     from ddp_utils.train.state import Training
 
-# Keys whose change makes a checkpoint belong to another experiment: the model, the data set,
-# and the seed (it decides every epoch's sample order, which a mid-epoch resume continues).
-IDENTITY_KEYS = (
-    "model.",
-    "data.name", "data.in_channels", "data.image_size", "data.num_classes", "data.mean",
-    "data.std", "data.val_fraction", "data.split_seed", "data.num_train", "data.num_val",
-    "data._target_", "data.kwargs", "data.val_slice", "seed", "task.name",
-    "task._target_", "task.kwargs", "data.block_size", "data.tokenizer", "data.vocab_size",
-)  # fmt: skip
+
+def identity_keys(cfg: TrainConfig) -> tuple[str, ...]:
+    """Keys whose change makes a checkpoint belong to another experiment: the model (all of
+    it), what the data and task options declare (``identity``: the data set, its split, the
+    objective), and the seed (it decides every epoch's sample order, which a mid-epoch resume
+    continues)."""
+    return ("seed", "model.", *(f"data.{k}" for k in type(cfg.data).identity),
+            *(f"task.{k}" for k in type(cfg.task).identity))  # fmt: skip
 
 
 SCHEDULE_LENGTH_KEYS = ("total_steps", "_schedule_phases")  # OneCycleLR's
@@ -91,8 +90,8 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _is_identity(key: str) -> bool:
-    return any(key == k or key.startswith(k if k.endswith(".") else f"{k}.") for k in IDENTITY_KEYS)
+def _is_identity(key: str, identity: tuple[str, ...]) -> bool:
+    return any(key == k or key.startswith(k if k.endswith(".") else f"{k}.") for k in identity)
 
 
 def config_changes(stored: dict[str, Any], cfg: TrainConfig) -> tuple[list[str], list[str]]:
@@ -107,12 +106,12 @@ def config_changes(stored: dict[str, Any], cfg: TrainConfig) -> tuple[list[str],
     record = {g: stored.get(g, base[g]) for g in base} | stored
     old = _flatten(as_plain_dict(option_defaults(cfg))) | _flatten(record)
     old = {k: v for k, v in old.items() if _field_of(k, plain)}
-    refused, allowed = [], []
+    refused, allowed, identity = [], [], identity_keys(cfg)
     for key in sorted(old.keys() | new.keys()):
         if key == "resume" or old.get(key) == new.get(key):
             continue
         change = f"{key}: {old.get(key)!r} -> {new.get(key)!r}"
-        is_identity = _is_identity(key)
+        is_identity = _is_identity(key, identity)
         (refused if is_identity else allowed).append(change)
     return refused, allowed
 
