@@ -14,10 +14,10 @@ help:  ## list the targets
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q -e '.[dev,timm,slurm,lm,hf,optuna,mlflow,wandb]'
+	$(BIN)/python -m pip install -q -e '.[dev,timm,slurm,lm,hf,optuna,mlflow,wandb,det]'
 	touch $(STAMP)
 
-install: $(STAMP)  ## create .venv and install the project with its dev tools and every optional extra (timm, submitit, tokenizers, transformers, optuna, mlflow, wandb)
+install: $(STAMP)  ## create .venv and install the project with its dev tools and every optional extra (timm, submitit, tokenizers, transformers, optuna, mlflow, wandb, pycocotools)
 
 train: $(STAMP)  ## train on the embedded digits with NPROC (default 2) processes; ARGS= for overrides
 	$(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) train.py $(ARGS)

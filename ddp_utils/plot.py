@@ -1,4 +1,5 @@
-"""Pictures of runs: loss and accuracy curves, a confusion matrix, segmentation predictions.
+"""Pictures of runs: loss and accuracy curves, a confusion matrix, segmentation and detection
+predictions.
 
     python -m ddp_utils.plot RUN_DIR [RUN_DIR ...] [--out curves_compared.png]
 
@@ -169,6 +170,42 @@ def plot_predictions(images, truths, preds, classes: list[str], out: Path) -> Pa
     fig.legend(handles=handles, loc="lower center", ncol=min(6, len(handles)), fontsize=8)
     fig.subplots_adjust(left=0.02, right=0.98, top=0.95, bottom=0.8 / (2.4 * n + 0.8) + 0.02,
                         wspace=0.05, hspace=0.08)  # fmt: skip
+    save_figure(fig, out, dpi=80)
+    return out
+
+
+def plot_boxes(images, truths, preds, classes: list[str], out: Path,
+               min_score: float = 0.3) -> Path:  # fmt: skip
+    """One row per image: the true boxes (green) and the predicted ones scoring at least
+    ``min_score`` (orange, with their class and score), class names from ``classes``."""
+    from matplotlib.patches import Rectangle
+
+    n = len(images)
+    fig = Figure(figsize=(5.0, 2.5 * n + 0.4))
+    axes = fig.subplots(n, 2, squeeze=False)
+    for row, (image, truth, pred) in enumerate(zip(images, truths, preds, strict=True)):
+        picture = image.permute(1, 2, 0).numpy()
+        for col, (title, target, colour) in enumerate(
+            (("truth", truth, "limegreen"), ("prediction", pred, "orange"))
+        ):
+            ax = axes[row, col]
+            ax.imshow(picture[..., 0] if picture.shape[-1] == 1 else picture, cmap="gray",
+                      vmin=0, vmax=255)  # fmt: skip
+            ax.set_axis_off()
+            if row == 0:
+                ax.set_title(title)
+            scores = target.get("scores")
+            for k, (x0, y0, x1, y1) in enumerate(target["boxes"].tolist()):
+                if scores is not None and float(scores[k]) < min_score:
+                    continue
+                ax.add_patch(Rectangle((x0 - 0.5, y0 - 0.5), x1 - x0, y1 - y0, fill=False,
+                                       edgecolor=colour, linewidth=1.2))  # fmt: skip
+                label = int(target["labels"][k])
+                text = classes[label] if label < len(classes) else str(label)
+                if scores is not None:
+                    text += f" {float(scores[k]):.2f}"
+                ax.text(x0, y0 - 1, text, color=colour, fontsize=7)
+    fig.subplots_adjust(left=0.02, right=0.98, top=0.95, bottom=0.02, wspace=0.05, hspace=0.1)
     save_figure(fig, out, dpi=80)
     return out
 

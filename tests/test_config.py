@@ -48,6 +48,7 @@ def test_every_option_composes_and_validates(group, option):
         ],
         ("data", "tokens"): ["model=gpt", "task=language_model"],
         ("data", "pystdlib"): ["model=gpt", "task=language_model"],
+        ("data", "digits_det"): ["model=tiny_det", "task=detection"],
         **{
             ("data", seg): ["model=seg_convnet", "task=segmentation"]
             for seg in ("digits_seg", "mnist_seg", "segfolder", "voc")

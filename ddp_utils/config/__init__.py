@@ -9,7 +9,9 @@ from ddp_utils.config.data import (
     CanvasData,
     CustomData,
     DataConfig,
+    DetectionData,
     DigitsData,
+    DigitsDetData,
     DigitsSegData,
     ImageFolderData,
     MnistSegData,
@@ -33,6 +35,7 @@ from ddp_utils.config.model import (
     ModelConfig,
     SegConvNetModel,
     SegZooModel,
+    TinyDetModel,
     ZooModel,
 )
 from ddp_utils.config.optim import (
@@ -63,7 +66,13 @@ from ddp_utils.config.schema import (
     unknown_keys,
     validate,
 )
-from ddp_utils.config.task import CustomTask, LanguageModelTask, SegmentationTask, TaskConfig
+from ddp_utils.config.task import (
+    CustomTask,
+    DetectionTask,
+    LanguageModelTask,
+    SegmentationTask,
+    TaskConfig,
+)
 
 __all__ = [
     "CanvasData", "ConfigError", "ConvNetModel", "CustomData", "CustomModel", "CustomTask",
@@ -73,7 +82,8 @@ __all__ = [
     "SegFolderData", "SegZooModel", "SegmentationData", "SegmentationTask", "StreamedData",
     "SyntheticData", "TaskConfig", "TorchvisionData", "TrainConfig", "TrainerConfig",
     "VOCData", "ZooModel", "TokenData", "PyStdlibData", "GPTModel", "HFModel",
-    "LanguageModelTask", "AdamWOptim", "CosineSched", "CustomOptim", "CustomSched",
+    "LanguageModelTask", "DetectionData", "DigitsDetData", "DetectionTask", "TinyDetModel",
+    "AdamWOptim", "CosineSched", "CustomOptim", "CustomSched",
     "OneCycleSched", "PolySched", "SGDOptim", "StepSched", "as_plain_dict", "channels_last_on",
     "collect_target_kwargs",
     "from_record",

@@ -369,6 +369,64 @@ class VOCData(SegmentationData):
     val_set: str = "val"
 
 
+@dataclass
+class DetectionData(DataConfig):
+    """What the detection options share: images with per-image boxes and their labels,
+    ``(uint8 CHW image, {"boxes": tv_tensors.BoundingBoxes (xyxy, pixels), "labels"})``.
+    Label 0 is the background (torchvision's detectors count it in num_classes)."""
+
+    holds: ClassVar[str] = "boxes"
+    wrong_task: ClassVar[str] = (
+        "data={data} holds boxes: train it with task=detection and a detector (model=tiny_det), "
+        "or start from experiment=digits_detection."
+    )
+    family: ClassVar[str] = "ddp_utils.data.detection"
+
+    name: str = "digits_det"
+    num_workers: int | None = 0
+
+    def check(self) -> None:
+        super().check()
+        if self.mixup_alpha or self.cutmix_alpha:
+            raise ConfigError(
+                f"data={self.name} holds boxes: data.mixup_alpha and data.cutmix_alpha mix "
+                "class labels; leave them at 0."
+            )
+
+
+@dataclass
+class DigitsDetData(DetectionData):
+    """data=digits_det: canvases of scikit-learn's 8x8 digits, each digit's box and class."""
+
+    identity: ClassVar[tuple[str, ...]] = DataConfig.identity + (
+        "canvas_size", "digit_scales", "max_digits", "split_seed", "val_slice", "val_fraction"
+    )  # fmt: skip
+
+    canvas_size: int = 64
+    digit_scales: list[int] = field(default_factory=lambda: [2, 3])  # upscaling factors
+    max_digits: int = 3
+    split_seed: int = 0  # the split and the canvases' layout
+    val_slice: int | None = None  # as data=digits: which held-out slice validates
+    val_fraction: float = 0.2  # the share of the digits held out for validation
+
+    def check(self) -> None:
+        super().check()
+        check_positive("data.max_digits", self.max_digits)
+        if not self.digit_scales or min(self.digit_scales) < 1:
+            raise ConfigError(f"data.digit_scales={self.digit_scales} needs factors >= 1.")
+        check_holdout(self.val_fraction, self.val_slice)
+        if self.image_size != self.canvas_size:
+            raise ConfigError(
+                f"data.image_size={self.image_size} and data.canvas_size={self.canvas_size}: the "
+                "canvases are the images; set data.image_size to data.canvas_size."
+            )
+
+    def digit_data(self) -> DataConfig:
+        """The in-memory digit set (and its split) that the canvases are drawn from."""
+        return DigitsData(name=self.name, val_fraction=self.val_fraction,
+                          split_seed=self.split_seed, val_slice=self.val_slice)  # fmt: skip
+
+
 # data=pystdlib's rule that cuts train from val; a new rule makes older caches stale (2:
 # nanoGPT's ``int(n * (1 - val_fraction))`` training characters, issue 33).
 SPLIT_RULE = 2
@@ -482,6 +540,7 @@ DATA_OPTIONS: dict[str, type[DataConfig]] = {
     "voc": VOCData,
     "tokens": TokenData,
     "pystdlib": PyStdlibData,
+    "digits_det": DigitsDetData,
 }
 
 

@@ -199,6 +199,27 @@ class HFModel(ModelConfig):
             raise ConfigError("model=hf needs model.arch=NAME (gpt2, llama, ...).")
 
 
+@dataclass
+class TinyDetModel(ModelConfig):
+    """model=tiny_det: a small FCOS detector (torchvision's head and losses on a three-stage
+    conv backbone with a two-level FPN), fast enough for a CPU."""
+
+    _target_: str = "ddp_utils.models.detectors.TinyFCOS"
+    name: str = "tiny_det"
+    channels: list[int] = field(default_factory=lambda: [16, 32, 64])  # stages, stride 2 each
+    fpn_channels: int = 64
+    head_convs: int = 2  # conv layers in each of the head's two branches (FCOS: 4)
+
+    def check(self) -> None:
+        if len(self.channels) < 2 or any(c < 1 for c in self.channels):
+            raise ConfigError(
+                f"model.channels={list(self.channels)} needs two or more stages, each of 1+ "
+                "channels: the FPN reads the last two."
+            )
+        check_positive("model.fpn_channels", self.fpn_channels)
+        check_positive("model.head_convs", self.head_convs)
+
+
 MODEL_OPTIONS: dict[str, type[ModelConfig]] = {
     "convnet": ConvNetModel,
     "mlp": MLPModel,
@@ -211,4 +232,5 @@ MODEL_OPTIONS: dict[str, type[ModelConfig]] = {
     "torchvision_seg": SegZooModel,
     "gpt": GPTModel,
     "hf": HFModel,
+    "tiny_det": TinyDetModel,
 }

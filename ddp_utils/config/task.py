@@ -87,6 +87,24 @@ class SegmentationTask(TaskConfig):
 
 
 @dataclass
+class DetectionTask(TaskConfig):
+    """task=detection: a torchvision-style detector's own losses in training; mAP (COCO's,
+    through torchmetrics) exact at any world size in evaluation."""
+
+    label_options: ClassVar[bool] = False
+
+    takes: ClassVar[str | None] = "boxes"
+    other_data: ClassVar[str] = (
+        "task=detection needs images with boxes: data=digits_det (this is data={data}); "
+        "experiment=digits_detection sets all of it."
+    )
+
+    _target_: str = "ddp_utils.tasks.detection.Detection"
+    name: str = "detection"
+    monitor: str = "map"
+
+
+@dataclass
 class LanguageModelTask(TaskConfig):
     """task=language_model: next-token cross-entropy summed over tokens; val/loss,
     val/perplexity and (where the tokenizer knows bytes per token) val/bits_per_byte."""
@@ -111,4 +129,5 @@ TASK_OPTIONS: dict[str, type[TaskConfig]] = {
     "custom": CustomTask,
     "segmentation": SegmentationTask,
     "language_model": LanguageModelTask,
+    "detection": DetectionTask,
 }

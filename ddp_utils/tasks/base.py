@@ -105,6 +105,10 @@ class Task:
       one for a regression, say. ``draw(...)``: a picture of predictions (segmentation's).
     """
 
+    # Whether train_loss runs on a model in eval mode, where the check before the first step
+    # calls it (nothing moves there); torchvision's detectors make losses in training mode only.
+    loss_in_eval_mode: bool = True
+
     def to_batch(self, images: Any, target: Any, device: torch.device, preprocess: nn.Module,
                  skip_bad: bool = False, all_real: bool = False) -> Batch:  # fmt: skip
         """A loader's item as a device batch: the images preprocessed, the target's tensors

@@ -1,0 +1,47 @@
+"""Detection data: ``data=digits_det``.
+
+Samples are ``(uint8 CHW image, {"boxes": tv_tensors.BoundingBoxes, "labels": int64})``; a
+batch's target is the list of those dicts (torchvision detection's layout), a padding
+duplicate a ``{SENTINEL: IGNORE_LABEL}`` dict. The samplers and the per-sample seeding are the
+other families': every image once per epoch and in evaluation, at any world size.
+"""
+
+from __future__ import annotations
+
+from torchvision.transforms import v2
+
+from ddp_utils.config import DetectionData, DigitsDetData
+from ddp_utils.data.bundle import DataBundle, EvalData, image_bundle, image_eval
+from ddp_utils.data.loaders import eval_shard_loader, sharded_loaders
+from ddp_utils.data.registry import by_schema
+from ddp_utils.data.transforms import SeededTransform
+from ddp_utils.dist import Runtime, local_main_first
+
+
+def canvas_source(cfg: DetectionData, split: str, rt: Runtime):
+    from ddp_utils.data.detection.canvases import DetCanvasSource
+
+    with local_main_first(rt):
+        return DetCanvasSource(cfg, split)
+
+
+SOURCES = {DigitsDetData: canvas_source}
+
+
+def det_dataset(source, seed: int) -> SeededTransform:
+    """The source's images with their boxes; the canvases need no transform (a mirrored digit
+    is no digit), but the seeded wrapper gives the padding duplicates their sentinel."""
+    return SeededTransform(source, v2.Identity(), seed)
+
+
+def build(cfg: DetectionData, rt: Runtime, seed: int, channels_last: bool | str) -> DataBundle:
+    train_src, val_src = (by_schema(SOURCES, cfg)(cfg, s, rt) for s in ("train", "val"))
+    train_ds, val_ds = det_dataset(train_src, seed), det_dataset(val_src, seed)
+    loaders = (*sharded_loaders(train_ds, val_ds, cfg, rt, seed), train_src.classes)
+    return image_bundle(cfg, rt, loaders, False, channels_last)
+
+
+def build_eval(cfg: DetectionData, rt: Runtime, seed: int, channels_last: bool | str) -> EvalData:
+    source = by_schema(SOURCES, cfg)(cfg, cfg.split, rt)
+    loader = eval_shard_loader(det_dataset(source, seed), cfg, rt)
+    return image_eval(cfg, rt, loader, source.classes, channels_last)

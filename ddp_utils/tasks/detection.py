@@ -1,0 +1,115 @@
+"""Object detection: a torchvision-style detector (``model(images, targets)`` returns its
+losses in training, per-image ``{"boxes", "scores", "labels"}`` in evaluation) trained on its
+own losses, scored by COCO's mAP through torchmetrics' ``MeanAveragePrecision``.
+
+torchmetrics synchronises that metric's per-image lists element by element, which breaks
+when ranks hold different numbers of images (gloo aborts on the size mismatch).
+``ExactMeanAveragePrecision`` gathers each rank's lists whole instead and puts the images
+back in the data set's order, so mAP is the same at any world size, to the last digit.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchmetrics.detection import MeanAveragePrecision
+
+from ddp_utils.models.probe import eval_mode
+from ddp_utils.tasks.base import Batch, Task
+
+
+def interleave(per_rank: list[list[Any]]) -> list[Any]:
+    """Rank ``r``'s ``j``-th image is the data set's ``r + j * world_size``-th
+    (``EvalShardSampler``'s stride): the images of every rank, in the data set's order."""
+    longest = max((len(items) for items in per_rank), default=0)
+    return [items[j] for j in range(longest) for items in per_rank if j < len(items)]
+
+
+class ExactMeanAveragePrecision(MeanAveragePrecision):
+    """``MeanAveragePrecision`` whose per-image lists are gathered whole (any number of images
+    per rank) and ordered as at world size 1, so the tie-breaks of COCO's evaluation too."""
+
+    def _sync_dist(self, dist_sync_fn: Any = None, process_group: Any = None) -> None:
+        group = process_group or self.process_group
+        world = dist.get_world_size(group)
+        for attr in self._reductions:
+            mine = [t.cpu() if isinstance(t, torch.Tensor) else t for t in getattr(self, attr)]
+            gathered: list[Any] = [None] * world
+            dist.all_gather_object(gathered, mine, group=group)
+            merged = interleave(gathered)
+            setattr(self, attr, [t.to(self.device) if isinstance(t, torch.Tensor) else t
+                                 for t in merged])  # fmt: skip
+
+
+def real_parts(batch: Batch) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]:
+    """The real images and their targets (``boxes`` as plain tensors), padding left out."""
+    images, targets = [], []
+    for image, target, real in zip(batch.inputs, batch.target, batch.real.tolist(), strict=True):
+        if real:
+            images.append(image)
+            targets.append({"boxes": target["boxes"].as_subclass(torch.Tensor),
+                            "labels": target["labels"]})  # fmt: skip
+    return images, targets
+
+
+PICTURED = 4  # validation images in predictions.png
+
+
+class Detection(Task):
+    """The detector's summed losses, weighted by the batch's real images; mAP, mAP@50,
+    mAP@75 and per-class AP (``map_per_class``)."""
+
+    loss_in_eval_mode = False  # a torchvision detector gives losses in training mode only
+
+    def __init__(self, num_classes: int) -> None:
+        self.num_classes = num_classes
+
+    def metrics(self) -> dict[str, Any]:
+        return {"map": ExactMeanAveragePrecision(box_format="xyxy", iou_type="bbox",
+                                                 class_metrics=True)}  # fmt: skip
+
+    def blank_target(self, n: int, size: int, device: torch.device) -> list[dict[str, Any]]:
+        empty = {"boxes": torch.zeros(0, 4, device=device),
+                 "labels": torch.zeros(0, dtype=torch.int64, device=device)}  # fmt: skip
+        return [dict(empty) for _ in range(n)]
+
+    def train_loss(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        images, targets = real_parts(batch)
+        if not images:  # padding only: a zero loss through every weight (DDP waits for all)
+            losses = model([batch.inputs[0]], self.blank_target(1, 0, batch.inputs.device))
+            return sum(losses.values()) * 0.0, batch.count()
+        losses = model(images, targets)
+        count = batch.count()
+        return sum(losses.values()) * count, count
+
+    def eval_step(
+        self, model: nn.Module, batch: Batch, metrics: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        images, targets = real_parts(batch)
+        if images:
+            predictions = model(images)
+            metrics["map"].update([{k: v.float() if k != "labels" else v for k, v in p.items()}
+                                   for p in predictions], targets)  # fmt: skip
+        # Detectors score no loss in eval mode: the loss column holds 0, the count the images.
+        return torch.zeros((), device=batch.inputs.device), batch.count()
+
+    def draw(self, model: nn.Module, dataset: Any, preprocess: nn.Module, device: torch.device,
+             classes: list[str] | None, out_dir: Path) -> Path | None:  # fmt: skip
+        """``predictions.png``: the first validation images, their true and predicted boxes."""
+        from ddp_utils.plot import plot_boxes
+
+        samples = [dataset[i] for i in range(min(PICTURED, len(dataset)))]
+        if not samples:
+            return None
+        images = torch.stack([image for image, _ in samples])
+        with eval_mode(model):
+            preds = model(list(preprocess(images.to(device))))
+        preds = [{k: v.cpu() for k, v in p.items()} for p in preds]
+        names = classes or [str(c) for c in range(self.num_classes)]
+        return plot_boxes(
+            images, [t for _, t in samples], preds, names, out_dir / "predictions.png"
+        )
