@@ -4,7 +4,8 @@ Each recipe trains at world size 2 on 3 disjoint held-out validation slices
 (``data.val_slice=0,1,2``: the rest of the images are the training set) with 3 seeds, at the
 default learning rate and at half and twice it, one torchrun sweep per (recipe, lr), and the
 table gives min / mean / max of the final ``val/accuracy`` (``val/miou`` for the segmentation
-recipes, at their own learning rate only, with ``--seg-seeds`` seeds: each run is minutes;
+recipes and ``val/map`` for the detection one, at their own learning rate only, with
+``--seg-seeds`` seeds: each run is minutes;
 ``val/loss`` of the language model on the last tenth of the stdlib corpus, over
 ``--lm-seeds`` seeds at its own learning rate).
 ``--only TEXT`` runs the recipes whose name holds TEXT. MNIST rows need the images of
@@ -38,11 +39,15 @@ RECIPES = {
     "MNIST tutorial (experiment=mnist_convnet, 2 epochs)": [
         "experiment=mnist_convnet", f"data.root={MNIST}",
     ],
+    "digits detection (experiment=digits_detection, 12 epochs)": [
+        "experiment=digits_detection",
+    ],
     "char GPT on the Python stdlib (experiment=lm_char data=pystdlib, 2000 steps)": [
         "experiment=lm_char", "data=pystdlib",
     ],
 }  # fmt: skip
 LM_LR = 0.001  # experiment=lm_char's
+DET_LR = 0.02  # experiment=digits_detection's
 
 
 def sweep(overrides: list[str], folder: Path, metric: str, seeds: str = "0,1,2",
@@ -82,6 +87,8 @@ def main() -> None:
                 lrs = [SEG_LR if seg else LM_LR]
             if lm:  # the last tenth of the text validates; the range is over seeds
                 metric, seeds = "val/loss", args.lm_seeds
+            if "detection" in name:  # its own lr, as the segmentation recipes
+                metric, seeds, lrs = "val/map", args.seg_seeds, [DET_LR]
             for lr in lrs:
                 folder = Path(tmp) / f"{len(results)}"
                 acc = sweep([*overrides, f"optim.lr={lr:g}"], folder, metric, seeds, slices=not lm)
