@@ -427,6 +427,30 @@ class DigitsDetData(DetectionData):
                           split_seed=self.split_seed, val_slice=self.val_slice)  # fmt: skip
 
 
+@dataclass
+class DetFolderData(DetectionData):
+    """data=detfolder: a COCO-format folder (ddp_utils/data/detection/coco.py)."""
+
+    identity: ClassVar[tuple[str, ...]] = DataConfig.identity + (
+        "root", "images_dir", "train_annotations", "val_annotations"
+    )  # fmt: skip
+
+    name: str = "detfolder"
+    root: str = "data"
+    images_dir: str = "images"
+    train_annotations: str = "annotations/train.json"
+    val_annotations: str = "annotations/val.json"
+    in_channels: int = 3
+    image_size: int = 320  # what the detector is checked at before training
+    mean: list[float] = field(default_factory=lambda: list(IMAGENET_MEAN))
+    std: list[float] = field(default_factory=lambda: list(IMAGENET_STD))
+    hflip: bool = True  # training: a random horizontal flip, boxes with it (data.augment)
+
+    def check(self) -> None:
+        super().check()
+        check_read_channels(self.in_channels)
+
+
 # data=pystdlib's rule that cuts train from val; a new rule makes older caches stale (2:
 # nanoGPT's ``int(n * (1 - val_fraction))`` training characters, issue 33).
 SPLIT_RULE = 2
@@ -541,6 +565,7 @@ DATA_OPTIONS: dict[str, type[DataConfig]] = {
     "tokens": TokenData,
     "pystdlib": PyStdlibData,
     "digits_det": DigitsDetData,
+    "detfolder": DetFolderData,
 }
 
 

@@ -95,8 +95,8 @@ class DetectionTask(TaskConfig):
 
     takes: ClassVar[str | None] = "boxes"
     other_data: ClassVar[str] = (
-        "task=detection needs images with boxes: data=digits_det (this is data={data}); "
-        "experiment=digits_detection sets all of it."
+        "task=detection needs images with boxes: data=digits_det | detfolder (this is "
+        "data={data}); experiment=digits_detection sets all of it."
     )
 
     _target_: str = "ddp_utils.tasks.detection.Detection"

@@ -62,11 +62,14 @@ def default_num_workers(local_world_size: int) -> int:
 
 def collate(items: list[tuple[Any, Any]]) -> Any:
     """DataLoader's ``default_collate``, except that per-sample dict targets (boxes of
-    different lengths) stay a list of dicts, torchvision detection's layout; a sentinel label
-    among them (a padding duplicate, a skipped image) becomes ``{SENTINEL: label}``."""
+    different lengths) stay a list of dicts, torchvision detection's layout, and their images
+    a list where their sizes differ; a sentinel label among them (a padding duplicate, a
+    skipped image) becomes ``{SENTINEL: label}``."""
     if not any(isinstance(target, Mapping) for _, target in items):
         return default_collate(items)
-    images = default_collate([image for image, _ in items])
+    images = [image for image, _ in items]
+    if all(image.shape == images[0].shape for image in images):
+        images = default_collate(images)  # else a list: detectors take images of any size
     return images, [t if isinstance(t, Mapping) else {SENTINEL: int(t)} for _, t in items]
 
 

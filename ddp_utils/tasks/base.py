@@ -63,7 +63,8 @@ class Batch:
         """A bool mask of the real rows (elements, for a tensor target; samples, for a list)."""
         if isinstance(self.target, torch.Tensor):
             return self.target != IGNORE_LABEL
-        device = self.inputs.device if isinstance(self.inputs, torch.Tensor) else None
+        first = self.inputs if isinstance(self.inputs, torch.Tensor) else self.inputs[0]
+        device = first.device if isinstance(first, torch.Tensor) else None
         if isinstance(self.target, Mapping):
             return torch.ones(self.size, dtype=torch.bool, device=device)
         flags = [sentinel_of(t) is None for t in self.target]

@@ -45,14 +45,23 @@ class ExactMeanAveragePrecision(MeanAveragePrecision):
                                  for t in merged])  # fmt: skip
 
 
-def real_parts(batch: Batch) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]:
-    """The real images and their targets (``boxes`` as plain tensors), padding left out."""
+def real_parts(
+    batch: Batch, training: bool
+) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]:
+    """The real images and their targets (``boxes`` as plain tensors), padding left out.
+    Crowd boxes (``iscrowd``) are left out of training and kept, marked, for the mAP."""
     images, targets = [], []
     for image, target, real in zip(batch.inputs, batch.target, batch.real.tolist(), strict=True):
-        if real:
-            images.append(image)
-            targets.append({"boxes": target["boxes"].as_subclass(torch.Tensor),
-                            "labels": target["labels"]})  # fmt: skip
+        if not real:
+            continue
+        boxes, labels = target["boxes"].as_subclass(torch.Tensor), target["labels"]
+        crowd = target.get("iscrowd", torch.zeros_like(labels))
+        if training:
+            keep = crowd == 0
+            targets.append({"boxes": boxes[keep], "labels": labels[keep]})
+        else:
+            targets.append({"boxes": boxes, "labels": labels, "iscrowd": crowd})
+        images.append(image)
     return images, targets
 
 
@@ -68,6 +77,16 @@ class Detection(Task):
     def __init__(self, num_classes: int) -> None:
         self.num_classes = num_classes
 
+    def to_batch(self, images: Any, target: Any, device: torch.device, preprocess: nn.Module,
+                 skip_bad: bool = False, all_real: bool = False) -> Batch:  # fmt: skip
+        """Images of different sizes come as a list: each is preprocessed on its own."""
+        if isinstance(images, torch.Tensor):
+            return super().to_batch(images, target, device, preprocess, skip_bad, all_real)
+        inputs = [preprocess(im.unsqueeze(0).to(device, non_blocking=True))[0] for im in images]
+        batch = super().to_batch(torch.empty(0), target, device, nn.Identity(), skip_bad, all_real)
+        batch.inputs = inputs
+        return batch
+
     def metrics(self) -> dict[str, Any]:
         return {"map": ExactMeanAveragePrecision(box_format="xyxy", iou_type="bbox",
                                                  class_metrics=True)}  # fmt: skip
@@ -78,9 +97,9 @@ class Detection(Task):
         return [dict(empty) for _ in range(n)]
 
     def train_loss(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        images, targets = real_parts(batch)
+        images, targets = real_parts(batch, training=True)
         if not images:  # padding only: a zero loss through every weight (DDP waits for all)
-            losses = model([batch.inputs[0]], self.blank_target(1, 0, batch.inputs.device))
+            losses = model([batch.inputs[0]], self.blank_target(1, 0, batch.inputs[0].device))
             return sum(losses.values()) * 0.0, batch.count()
         losses = model(images, targets)
         count = batch.count()
@@ -89,13 +108,13 @@ class Detection(Task):
     def eval_step(
         self, model: nn.Module, batch: Batch, metrics: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        images, targets = real_parts(batch)
+        images, targets = real_parts(batch, training=False)
         if images:
             predictions = model(images)
             metrics["map"].update([{k: v.float() if k != "labels" else v for k, v in p.items()}
                                    for p in predictions], targets)  # fmt: skip
         # Detectors score no loss in eval mode: the loss column holds 0, the count the images.
-        return torch.zeros((), device=batch.inputs.device), batch.count()
+        return torch.zeros((), device=batch.real.device), batch.count()
 
     def draw(self, model: nn.Module, dataset: Any, preprocess: nn.Module, device: torch.device,
              classes: list[str] | None, out_dir: Path) -> Path | None:  # fmt: skip
@@ -105,9 +124,9 @@ class Detection(Task):
         samples = [dataset[i] for i in range(min(PICTURED, len(dataset)))]
         if not samples:
             return None
-        images = torch.stack([image for image, _ in samples])
+        images = [image for image, _ in samples]
         with eval_mode(model):
-            preds = model(list(preprocess(images.to(device))))
+            preds = model([preprocess(im.unsqueeze(0).to(device))[0] for im in images])
         preds = [{k: v.cpu() for k, v in p.items()} for p in preds]
         names = classes or [str(c) for c in range(self.num_classes)]
         return plot_boxes(

@@ -1,4 +1,4 @@
-"""Detection data: ``data=digits_det``.
+"""Detection data: ``data=digits_det`` and ``data=detfolder`` (a COCO-format folder).
 
 Samples are ``(uint8 CHW image, {"boxes": tv_tensors.BoundingBoxes, "labels": int64})``; a
 batch's target is the list of those dicts (torchvision detection's layout), a padding
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torchvision.transforms import v2
 
-from ddp_utils.config import DetectionData, DigitsDetData
+from ddp_utils.config import DetectionData, DetFolderData, DigitsDetData
 from ddp_utils.data.bundle import DataBundle, EvalData, image_bundle, image_eval
 from ddp_utils.data.loaders import eval_shard_loader, sharded_loaders
 from ddp_utils.data.registry import by_schema
@@ -25,23 +25,34 @@ def canvas_source(cfg: DetectionData, split: str, rt: Runtime):
         return DetCanvasSource(cfg, split)
 
 
-SOURCES = {DigitsDetData: canvas_source}
+def coco_source(cfg: DetectionData, split: str, rt: Runtime):
+    from ddp_utils.data.detection.coco import CocoSource
+
+    return CocoSource(cfg, split)
 
 
-def det_dataset(source, seed: int) -> SeededTransform:
-    """The source's images with their boxes; the canvases need no transform (a mirrored digit
-    is no digit), but the seeded wrapper gives the padding duplicates their sentinel."""
-    return SeededTransform(source, v2.Identity(), seed)
+SOURCES = {DigitsDetData: canvas_source, DetFolderData: coco_source}
+
+
+def det_dataset(source, cfg: DetectionData, train: bool, seed: int) -> SeededTransform:
+    """The source's images with their boxes, seeded per sample; training with
+    ``data.augment`` and ``data.hflip`` flips image and boxes together (the canvases' digits
+    are never mirrored). Images keep their sizes: the detector's own transform resizes."""
+    flip = train and cfg.augment and getattr(cfg, "hflip", False)
+    return SeededTransform(source, v2.RandomHorizontalFlip() if flip else v2.Identity(), seed)
 
 
 def build(cfg: DetectionData, rt: Runtime, seed: int, channels_last: bool | str) -> DataBundle:
     train_src, val_src = (by_schema(SOURCES, cfg)(cfg, s, rt) for s in ("train", "val"))
-    train_ds, val_ds = det_dataset(train_src, seed), det_dataset(val_src, seed)
+    train_ds, val_ds = (
+        det_dataset(train_src, cfg, True, seed),
+        det_dataset(val_src, cfg, False, seed),
+    )
     loaders = (*sharded_loaders(train_ds, val_ds, cfg, rt, seed), train_src.classes)
     return image_bundle(cfg, rt, loaders, False, channels_last)
 
 
 def build_eval(cfg: DetectionData, rt: Runtime, seed: int, channels_last: bool | str) -> EvalData:
     source = by_schema(SOURCES, cfg)(cfg, cfg.split, rt)
-    loader = eval_shard_loader(det_dataset(source, seed), cfg, rt)
+    loader = eval_shard_loader(det_dataset(source, cfg, False, seed), cfg, rt)
     return image_eval(cfg, rt, loader, source.classes, channels_last)

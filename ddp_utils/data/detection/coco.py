@@ -41,7 +41,9 @@ def read_json(path: Path) -> dict[str, Any]:
         doc = json.loads(path.read_text())
     except (ValueError, UnicodeDecodeError) as e:
         raise fail(path, f"is not JSON ({e})", "Fix or regenerate the file.") from None
-    missing = [k for k in ("images", "annotations", "categories") if not isinstance(doc.get(k), list)]
+    missing = [
+        k for k in ("images", "annotations", "categories") if not isinstance(doc.get(k), list)
+    ]
     if missing:
         raise fail(path, f"has no list {', '.join(missing)}", "COCO files hold images, "
                    "annotations and categories (each a list).")  # fmt: skip
@@ -62,16 +64,24 @@ def check_box(ann: dict[str, Any], image: dict[str, Any], path: Path) -> list[fl
     """The annotation's box as xyxy, or ConfigError naming it."""
     where = f"annotation id {ann.get('id')} (image {image['file_name']})"
     bbox = ann.get("bbox")
-    if not (isinstance(bbox, list) and len(bbox) == 4 and all(isinstance(v, int | float) for v in bbox)):
+    if not (
+        isinstance(bbox, list) and len(bbox) == 4 and all(isinstance(v, int | float) for v in bbox)
+    ):
         raise fail(path, f"{where} has bbox {bbox!r}", "A bbox is [x, y, width, height].")
     x, y, w, h = (float(v) for v in bbox)
     if w <= 0 or h <= 0:
         raise fail(path, f"{where} has a box of zero area ({bbox})", "Remove the annotation "
                    "or give it a width and height above 0.")  # fmt: skip
     width, height = float(image["width"]), float(image["height"])
-    if x < -EDGE_SLACK or y < -EDGE_SLACK or x + w > width + EDGE_SLACK or y + h > height + EDGE_SLACK:
-        raise fail(path, f"{where} has box {bbox} outside its {image['width']}x{image['height']} "
-                   "image", "Clip the box to the image, or fix the image's width and height.")  # fmt: skip
+    if (
+        x < -EDGE_SLACK
+        or y < -EDGE_SLACK
+        or x + w > width + EDGE_SLACK
+        or y + h > height + EDGE_SLACK
+    ):
+        size = f"{image['width']}x{image['height']}"
+        raise fail(path, f"{where} has box {bbox} outside its {size} image",
+                   "Clip the box to the image, or fix the image's width and height.")  # fmt: skip
     return [max(x, 0.0), max(y, 0.0), min(x + w, width), min(y + h, height)]
 
 
@@ -99,9 +109,12 @@ class CocoSource:
             if ann.get("category_id") not in labels:
                 raise fail(path, f"annotation id {ann.get('id')} (image {image['file_name']}) "
                            f"has category_id {ann.get('category_id')!r}, not one of its "
-                           f"categories {sorted(labels)}", "Fix the id or add the category.")  # fmt: skip
+                           f"categories {sorted(labels)}",
+                           "Fix the id or add the category.")  # fmt: skip
             xyxy = check_box(ann, image, path)
-            boxes[image["id"]].append((xyxy, labels[ann["category_id"]], int(bool(ann.get("iscrowd", 0)))))
+            boxes[image["id"]].append(
+                (xyxy, labels[ann["category_id"]], int(bool(ann.get("iscrowd", 0))))
+            )
         self.ids = sorted(self.images)
         self.targets = [boxes[i] for i in self.ids]
         self.channels, self.root = cfg.in_channels, root / cfg.images_dir
