@@ -49,6 +49,12 @@ def test_every_option_composes_and_validates(group, option):
         ("data", "tokens"): ["model=gpt", "task=language_model"],
         ("data", "pystdlib"): ["model=gpt", "task=language_model"],
         ("data", "digits_det"): ["model=tiny_det", "task=detection"],
+        ("data", "detfolder"): [
+            "model=tiny_det",
+            "task=detection",
+            "data.root=x",
+            "data.num_classes=3",
+        ],
         **{
             ("data", seg): ["model=seg_convnet", "task=segmentation"]
             for seg in ("digits_seg", "mnist_seg", "segfolder", "voc")
