@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[dev,timm,slurm,lm,hf,optuna,mlflow,wandb,det]'
 	touch $(STAMP)
 
-install: $(STAMP)  ## create .venv and install the project with its dev tools and every optional extra (timm, submitit, tokenizers, transformers, optuna, mlflow, wandb, pycocotools)
+install: $(STAMP)  ## create .venv and install the project with its dev tools and every optional extra (timm, submitit, tokenizers, transformers, optuna, mlflow, wandb, faster-coco-eval)
 
 train: $(STAMP)  ## train on the embedded digits with NPROC (default 2) processes; ARGS= for overrides
 	$(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) train.py $(ARGS)

@@ -140,7 +140,10 @@ def main() -> None:
     if prof is not None:
         prof.stop()
     if dist.is_initialized():  # the reference leaves its group to the interpreter's exit,
-        dist.destroy_process_group()  # where gloo may abort ("terminate called ...")
+        # where gloo may abort ("terminate called ..."); a rank that tore its group down while
+        # the other still finished did too (once in the suite): both wait, then both leave.
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

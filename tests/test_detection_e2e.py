@@ -9,7 +9,9 @@ import pytest
 from callbacks import fault
 from conftest import assert_same_params, eval_at_world_sizes, params, read_metrics, run_script
 
-pytest.importorskip("pycocotools", reason="mAP needs pycocotools (make install: the [det] extra)")
+pytest.importorskip(
+    "faster_coco_eval", reason="mAP needs faster-coco-eval (make install: the [det] extra)"
+)
 
 # Short: a few hundred canvases a rank, in fp32 so parameters compare exactly.
 # 44 steps an epoch at 2 processes; step checkpoints every 10 give a resume point mid-epoch.
@@ -50,3 +52,19 @@ def test_a_sigkilled_detection_run_resumes_to_the_same_parameters(det_run, tmp_p
     assert_same_params(params(tmp_path), params(det_run))
     assert [r["step"] for r in read_metrics(tmp_path)] == [44, 88]
     assert read_metrics(tmp_path)[-1]["val/map"] == read_metrics(det_run)[-1]["val/map"]
+
+
+def test_a_torchvision_detector_scores_the_same_at_world_sizes_1_2_3(tmp_path):
+    """fasterrcnn_mobilenet_v3_large_320_fpn by name, a few steps at world size 2 (untrained
+    weights: the numbers only need to be the same), then eval.py at 1, 2 and 3 processes."""
+    run = tmp_path / "run"
+    run_script("train.py", "experiment=digits_detection", "model=torchvision_det",
+               "trainer.max_steps=6", "trainer.precision=32", f"run_dir={run}", nproc=2,
+               timeout=900)  # fmt: skip
+    results = eval_at_world_sizes(run / "checkpoints" / "last.pt", tmp_path)
+    base = results[None]
+    assert base["num_samples"] == 359
+    for n, r in results.items():
+        for key in MAP_KEYS:
+            assert r[key] == base[key], (n, key)
+    assert base["map"] == read_metrics(run)[-1]["val/map"]

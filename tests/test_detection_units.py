@@ -11,7 +11,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-pytest.importorskip("pycocotools", reason="mAP needs pycocotools (make install: the [det] extra)")
+pytest.importorskip(
+    "faster_coco_eval", reason="mAP needs faster-coco-eval (make install: the [det] extra)"
+)
 
 from ddp_utils.config import DigitsDetData  # noqa: E402
 from ddp_utils.data.detection.canvases import DetCanvasSource, ink_box  # noqa: E402

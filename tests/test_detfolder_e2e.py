@@ -11,7 +11,9 @@ import pytest
 from cocofolders import write_coco_folder
 from conftest import read_metrics, run_script
 
-pytest.importorskip("pycocotools", reason="mAP needs pycocotools (make install: the [det] extra)")
+pytest.importorskip(
+    "faster_coco_eval", reason="mAP needs faster-coco-eval (make install: the [det] extra)"
+)
 
 RUN = ("data=detfolder", "model=tiny_det", "task=detection", "data.num_classes=3",
        "data.image_size=64", "data.num_workers=1", "data.batch_size=4", "trainer.epochs=2",

@@ -30,6 +30,7 @@ from ddp_utils.config.errors import ConfigError, whole_sentences
 from ddp_utils.config.model import (
     ConvNetModel,
     CustomModel,
+    DetZooModel,
     GPTModel,
     HFModel,
     MLPModel,
@@ -84,7 +85,7 @@ __all__ = [
     "SyntheticData", "TaskConfig", "TorchvisionData", "TrainConfig", "TrainerConfig",
     "VOCData", "ZooModel", "TokenData", "PyStdlibData", "GPTModel", "HFModel",
     "LanguageModelTask", "DetectionData", "DetFolderData", "DigitsDetData", "DetectionTask",
-    "TinyDetModel",
+    "TinyDetModel", "DetZooModel",
     "AdamWOptim", "CosineSched", "CustomOptim", "CustomSched",
     "OneCycleSched", "PolySched", "SGDOptim", "StepSched", "as_plain_dict", "channels_last_on",
     "collect_target_kwargs",

@@ -200,6 +200,21 @@ class HFModel(ModelConfig):
 
 
 @dataclass
+class DetZooModel(ModelConfig):
+    """model=torchvision_det: a box detector of torchvision by name (fasterrcnn_*, fcos_*,
+    retinanet_*, ssd*), sized for data.num_classes, untrained or from local weights."""
+
+    _target_: str = "ddp_utils.models.zoo.torchvision_det_model"
+    name: str = "torchvision_det"
+    arch: str = "fasterrcnn_mobilenet_v3_large_320_fpn"
+    weights_backbone: str | None = None  # a local state dict of the backbone
+
+    def check(self) -> None:
+        if not self.arch:
+            raise ConfigError("model=torchvision_det needs model.arch=NAME.")
+
+
+@dataclass
 class TinyDetModel(ModelConfig):
     """model=tiny_det: a small FCOS detector (torchvision's head and losses on a three-stage
     conv backbone with a two-level FPN), fast enough for a CPU."""
@@ -233,4 +248,5 @@ MODEL_OPTIONS: dict[str, type[ModelConfig]] = {
     "gpt": GPTModel,
     "hf": HFModel,
     "tiny_det": TinyDetModel,
+    "torchvision_det": DetZooModel,
 }

@@ -1,5 +1,6 @@
-"""Model zoos as targets: any classification or segmentation model of torchvision, a
-classification model of timm, or a causal LM of Hugging Face transformers, when installed."""
+"""Model zoos as targets: any classification, segmentation or box-detection model of
+torchvision, a classification model of timm, or a causal LM of Hugging Face transformers, when
+installed."""
 
 from __future__ import annotations
 
@@ -105,6 +106,48 @@ def torchvision_seg_model(
     if in_channels != 3:
         adapt_stem(model, in_channels, image_size=SMALL_IMAGE + 1)  # channels only
     return model
+
+
+# torchvision's box detectors (not the mask or keypoint ones, whose targets hold more)
+DETECTORS = ("fasterrcnn_mobilenet_v3_large_320_fpn", "fasterrcnn_mobilenet_v3_large_fpn",
+             "fasterrcnn_resnet50_fpn", "fasterrcnn_resnet50_fpn_v2", "fcos_resnet50_fpn",
+             "retinanet_resnet50_fpn", "retinanet_resnet50_fpn_v2", "ssd300_vgg16",
+             "ssdlite320_mobilenet_v3_large")  # fmt: skip
+
+
+class GreyToRGB(nn.Module):
+    """A torchvision detector fed grey images: each is repeated to the three channels its
+    backbone was made for (the detector's own forward and attributes otherwise)."""
+
+    def __init__(self, detector: nn.Module) -> None:
+        super().__init__()
+        self.detector = detector
+
+    def forward(self, images: list[torch.Tensor], targets: Any = None) -> Any:
+        return self.detector([im.expand(3, -1, -1) for im in images], targets)
+
+
+def torchvision_det_model(arch: str, num_classes: int, in_channels: int, image_size: int,
+                          weights_backbone: str | None = None) -> nn.Module:  # fmt: skip
+    """``torchvision.models.get_model(arch, weights=None, num_classes=...)`` of
+    ``torchvision.models.detection``, resizing images to ``image_size`` (its shorter side;
+    the SSDs: their own fixed size) and not normalising them again (the data's preprocessing
+    does), its backbone loaded from a local state dict (``model.weights_backbone``)."""
+    if arch not in DETECTORS:
+        close = difflib.get_close_matches(arch, DETECTORS, n=3, cutoff=0.4)
+        raise ConfigError(
+            f"model.arch={arch} is not a box detector of torchvision"
+            f"{' (close: ' + ', '.join(close) + ')' if close else ''}; pick one of "
+            f"{', '.join(DETECTORS)}."
+        )
+    sizes = {} if arch.startswith("ssd") else {"min_size": image_size, "max_size": image_size}
+    model = torchvision.models.get_model(arch, weights=None, weights_backbone=None,
+                                         num_classes=num_classes, image_mean=[0.0] * 3,
+                                         image_std=[1.0] * 3, **sizes)  # fmt: skip
+    if weights_backbone:
+        load_backbone(model.backbone.body if hasattr(model.backbone, "body") else model.backbone,
+                      weights_backbone)  # fmt: skip
+    return GreyToRGB(model) if in_channels == 1 else model
 
 
 def load_backbone(backbone: nn.Module, path: str) -> None:

@@ -66,6 +66,7 @@ def real_parts(
 
 
 PICTURED = 4  # validation images in predictions.png
+BACKEND = "faster_coco_eval"  # COCO's evaluation behind torchmetrics' MeanAveragePrecision
 
 
 class Detection(Task):
@@ -88,8 +89,10 @@ class Detection(Task):
         return batch
 
     def metrics(self) -> dict[str, Any]:
+        # faster-coco-eval: the same numbers as pycocotools, 6.8x faster here (359 images x 20
+        # detections: 0.28 s against 1.9 s; docs/detection.md).
         return {"map": ExactMeanAveragePrecision(box_format="xyxy", iou_type="bbox",
-                                                 class_metrics=True)}  # fmt: skip
+                                                 class_metrics=True, backend=BACKEND)}  # fmt: skip
 
     def blank_target(self, n: int, size: int, device: torch.device) -> list[dict[str, Any]]:
         empty = {"boxes": torch.zeros(0, 4, device=device),
@@ -110,7 +113,10 @@ class Detection(Task):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         images, targets = real_parts(batch, training=False)
         if images:
-            predictions = model(images)
+            # One image at a time, as torchvision's detection reference evaluates: some
+            # detectors' CPU kernels give an image other scores alone than in a batch, and the
+            # batches of a rank's shard change with the world size; alone, they never do.
+            predictions = [model([image])[0] for image in images]
             metrics["map"].update([{k: v.float() if k != "labels" else v for k, v in p.items()}
                                    for p in predictions], targets)  # fmt: skip
         # Detectors score no loss in eval mode: the loss column holds 0, the count the images.
