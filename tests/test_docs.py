@@ -59,8 +59,8 @@ def test_an_extension_page_runs_as_written(page, tmp_path):
             (repo / path).parent.mkdir(parents=True, exist_ok=True)
             (repo / path).write_text(body + "\n")
         elif kind == "append":
-            with open(repo / path, "a") as f:
-                f.write(body + "\n")
+            with open(repo / path, "a") as f:  # after the file's last definition
+                f.write("\n\n" + body + "\n")
         else:
             proc = subprocess.run(["bash", "-euo", "pipefail", "-c", body], cwd=repo,
                                   env=child_env(), capture_output=True, text=True,
