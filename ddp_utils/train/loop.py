@@ -15,7 +15,7 @@ from torch import nn
 
 from ddp_utils.config import TrainConfig, skips_bad_images
 from ddp_utils.data import resolve_data
-from ddp_utils.dist import Runtime, all_reduce_sum
+from ddp_utils.dist import Runtime, all_reduce_sum, barrier
 from ddp_utils.metrics import evaluate, scalars
 from ddp_utils.preemption import Preempted
 from ddp_utils.run import (
@@ -308,6 +308,10 @@ def fit(
                 tr.close(drain=False)  # a rank may be gone: do not wait on it again
                 raise
             tr.close()
+            # Every rank has finished before any leaves the group: a rank that tore gloo down
+            # while its peer still closed its helpers aborted the peer once ("terminate called
+            # without an active exception", a restarted run of tests/test_detection_e2e.py).
+            barrier()
         except BaseException:
             if tr is None or tr.step < tr.first_step:  # no step taken: nothing to keep
                 remove_if_unused(run, rt)
