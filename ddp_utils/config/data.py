@@ -43,6 +43,19 @@ def check_holdout(val_fraction: float, val_slice: int | None) -> None:
     check_positive("data.val_slice", val_slice, allow_zero=True)
 
 
+def check_canvas(cfg: Any) -> None:
+    """What the digit-canvas options (segmentation's and detection's) share."""
+    check_positive("data.max_digits", cfg.max_digits)
+    if not cfg.digit_scales or min(cfg.digit_scales) < 1:
+        raise ConfigError(f"data.digit_scales={cfg.digit_scales} needs factors >= 1.")
+
+
+def embedded_digits(cfg: Any) -> DigitsData:
+    """data=digits' split that a canvas option of the embedded digits draws from."""
+    return DigitsData(name=cfg.name, val_fraction=cfg.val_fraction, split_seed=cfg.split_seed,
+                      val_slice=cfg.val_slice)  # fmt: skip
+
+
 @dataclass
 class DataConfig:
     """Every data option's keys: batching, loading, and what the model is sized for."""
@@ -291,9 +304,7 @@ class CanvasData(SegmentationData):
 
     def check(self) -> None:
         super().check()
-        check_positive("data.max_digits", self.max_digits)
-        if not self.digit_scales or min(self.digit_scales) < 1:
-            raise ConfigError(f"data.digit_scales={self.digit_scales} needs factors >= 1.")
+        check_canvas(self)
 
     def digit_data(self) -> DataConfig:
         """The in-memory digit set (and its split) that the canvases are drawn from."""
@@ -313,8 +324,7 @@ class DigitsSegData(CanvasData):
         check_holdout(self.val_fraction, self.val_slice)
 
     def digit_data(self) -> DataConfig:
-        return DigitsData(name=self.name, val_fraction=self.val_fraction,
-                          split_seed=self.split_seed, val_slice=self.val_slice)  # fmt: skip
+        return embedded_digits(self)
 
 
 @dataclass
@@ -411,9 +421,7 @@ class DigitsDetData(DetectionData):
 
     def check(self) -> None:
         super().check()
-        check_positive("data.max_digits", self.max_digits)
-        if not self.digit_scales or min(self.digit_scales) < 1:
-            raise ConfigError(f"data.digit_scales={self.digit_scales} needs factors >= 1.")
+        check_canvas(self)
         check_holdout(self.val_fraction, self.val_slice)
         if self.image_size != self.canvas_size:
             raise ConfigError(
@@ -423,8 +431,7 @@ class DigitsDetData(DetectionData):
 
     def digit_data(self) -> DataConfig:
         """The in-memory digit set (and its split) that the canvases are drawn from."""
-        return DigitsData(name=self.name, val_fraction=self.val_fraction,
-                          split_seed=self.split_seed, val_slice=self.val_slice)  # fmt: skip
+        return embedded_digits(self)
 
 
 @dataclass

@@ -33,11 +33,21 @@ class Strategy:
     def wrap(self, raw_model: nn.Module) -> nn.Module:
         """Place ``raw_model`` on the device (in the trainer's memory format), distribute it,
         compile it with ``trainer.compile``; return the module the training forward runs."""
+        raw_model = self.prepare(raw_model)
         raw_model.to(self.rt.device, memory_format=memory_format_of(self.trainer.channels_last))
-        self.raw_model = self.model = raw_model
+        self.raw_model = raw_model
+        self.model = self.distribute(raw_model)
         if self.trainer.compile:
             self.model = torch.compile(self.model)
         return self.model
+
+    def prepare(self, raw_model: nn.Module) -> nn.Module:
+        """The module as the strategy needs it before it is placed (DDP: SyncBatchNorm)."""
+        return raw_model
+
+    def distribute(self, raw_model: nn.Module) -> nn.Module:
+        """The module the training forward runs, around the placed ``raw_model``."""
+        return raw_model
 
     @property
     def eval_model(self) -> nn.Module:

@@ -10,26 +10,20 @@ from __future__ import annotations
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
-import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_utils.models import memory_format_of
 from ddp_utils.strategy.base import Strategy
 
 
 class DDPStrategy(Strategy):
-    def wrap(self, raw_model: nn.Module) -> nn.Module:
-        t, rt = self.trainer, self.rt
-        if t.sync_bn:
-            raw_model = nn.SyncBatchNorm.convert_sync_batchnorm(raw_model)
-        raw_model.to(rt.device, memory_format=memory_format_of(t.channels_last))
-        self.raw_model = self.model = raw_model
-        if rt.world_size > 1:
-            self.model = DDP(raw_model, **self.ddp_options())
-        if t.compile:
-            self.model = torch.compile(self.model)
-        return self.model
+    def prepare(self, raw_model: nn.Module) -> nn.Module:
+        if self.trainer.sync_bn:
+            return nn.SyncBatchNorm.convert_sync_batchnorm(raw_model)
+        return raw_model
+
+    def distribute(self, raw_model: nn.Module) -> nn.Module:
+        return DDP(raw_model, **self.ddp_options()) if self.rt.world_size > 1 else raw_model
 
     def ddp_options(self) -> dict[str, Any]:
         """DistributedDataParallel's arguments (a subclass adds its own)."""
