@@ -19,7 +19,7 @@ from torch import nn
 from torchmetrics.detection import MeanAveragePrecision
 
 from ddp_utils.models.probe import eval_mode
-from ddp_utils.tasks.base import Batch, Task
+from ddp_utils.tasks.base import Batch, Task, sentinel_of
 
 
 def interleave(per_rank: list[list[Any]]) -> list[Any]:
@@ -51,8 +51,8 @@ def real_parts(
     """The real images and their targets (``boxes`` as plain tensors), padding left out.
     Crowd boxes (``iscrowd``) are left out of training and kept, marked, for the mAP."""
     images, targets = [], []
-    for image, target, real in zip(batch.inputs, batch.target, batch.real.tolist(), strict=True):
-        if not real:
+    for image, target in zip(batch.inputs, batch.target, strict=True):
+        if sentinel_of(target) is not None:  # read on the host: no device round trip a step
             continue
         boxes, labels = target["boxes"].as_subclass(torch.Tensor), target["labels"]
         crowd = target.get("iscrowd", torch.zeros_like(labels))
