@@ -21,6 +21,8 @@ from torchmetrics.detection import MeanAveragePrecision
 from ddp_utils.models.probe import eval_mode
 from ddp_utils.tasks.base import Batch, Task, sentinel_of
 
+BACKEND = "faster_coco_eval"  # COCO's evaluation behind torchmetrics' MeanAveragePrecision
+
 
 def interleave(per_rank: list[list[Any]]) -> list[Any]:
     """Rank ``r``'s ``j``-th image is the data set's ``r + j * world_size``-th
@@ -32,6 +34,12 @@ def interleave(per_rank: list[list[Any]]) -> list[Any]:
 class ExactMeanAveragePrecision(MeanAveragePrecision):
     """``MeanAveragePrecision`` whose per-image lists are gathered whole (any number of images
     per rank) and ordered as at world size 1, so the tie-breaks of COCO's evaluation too."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        # faster-coco-eval (the [det] extra) unless asked otherwise: torchmetrics' default,
+        # pycocotools, is slower and not one of our dependencies.
+        kwargs.setdefault("backend", BACKEND)
+        super().__init__(**kwargs)
 
     def _sync_dist(self, dist_sync_fn: Any = None, process_group: Any = None) -> None:
         group = process_group or self.process_group
@@ -66,7 +74,6 @@ def real_parts(
 
 
 PICTURED = 4  # validation images in predictions.png
-BACKEND = "faster_coco_eval"  # COCO's evaluation behind torchmetrics' MeanAveragePrecision
 
 
 class Detection(Task):
@@ -92,7 +99,7 @@ class Detection(Task):
         # faster-coco-eval: the same numbers as pycocotools, 6.8x faster here (359 images x 20
         # detections: 0.28 s against 1.9 s; docs/detection.md).
         return {"map": ExactMeanAveragePrecision(box_format="xyxy", iou_type="bbox",
-                                                 class_metrics=True, backend=BACKEND)}  # fmt: skip
+                                                 class_metrics=True)}  # fmt: skip
 
     def blank_target(self, n: int, size: int, device: torch.device) -> list[dict[str, Any]]:
         empty = {"boxes": torch.zeros(0, 4, device=device),
