@@ -49,6 +49,7 @@ def test_every_option_composes_and_validates(group, option):
         ("data", "tokens"): ["model=gpt", "task=language_model"],
         ("data", "pystdlib"): ["model=gpt", "task=language_model"],
         ("data", "digits_det"): ["model=tiny_det", "task=detection"],
+        ("data", "voc_det"): ["model=tiny_det", "task=detection"],
         ("data", "detfolder"): [
             "model=tiny_det",
             "task=detection",

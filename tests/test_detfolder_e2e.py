@@ -8,7 +8,7 @@ import json
 import shutil
 
 import pytest
-from cocofolders import write_coco_folder
+from detfolders import write_coco_folder
 from conftest import read_metrics, run_script
 
 pytest.importorskip(

@@ -6,10 +6,12 @@ maps an option to its schema; ``errors`` holds ConfigError.
 """
 
 from ddp_utils.config.data import (
+    VOC_CLASSES,
     CanvasData,
     CustomData,
     DataConfig,
     DetectionData,
+    DetFilesData,
     DetFolderData,
     DigitsData,
     DigitsDetData,
@@ -24,6 +26,7 @@ from ddp_utils.config.data import (
     TokenData,
     TorchvisionData,
     VOCData,
+    VOCDetData,
     skips_bad_images,
 )
 from ddp_utils.config.errors import ConfigError, whole_sentences
@@ -85,6 +88,7 @@ __all__ = [
     "SyntheticData", "TaskConfig", "TorchvisionData", "TrainConfig", "TrainerConfig",
     "VOCData", "ZooModel", "TokenData", "PyStdlibData", "GPTModel", "HFModel",
     "LanguageModelTask", "DetectionData", "DetFolderData", "DigitsDetData", "DetectionTask",
+    "VOCDetData", "VOC_CLASSES", "DetFilesData",
     "TinyDetModel", "DetZooModel",
     "AdamWOptim", "CosineSched", "CustomOptim", "CustomSched",
     "OneCycleSched", "PolySched", "SGDOptim", "StepSched", "as_plain_dict", "channels_last_on",

@@ -25,6 +25,11 @@ LOADERS = ("auto", "tensor", "torch")
 INTERPOLATIONS = ("nearest", "bilinear", "bicubic")
 AUTO_AUGMENTS = ("ta_wide", "ra", "augmix")
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+VOC_CLASSES = (
+    "aeroplane", "bicycle", "bird", "boat", "bottle", "bus", "car", "cat", "chair", "cow",
+    "diningtable", "dog", "horse", "motorbike", "person", "pottedplant", "sheep", "sofa",
+    "train", "tvmonitor",
+)  # fmt: skip  # Pascal VOC's 20 object classes; the background is class 0
 
 
 def check_read_channels(in_channels: int) -> None:
@@ -435,18 +440,10 @@ class DigitsDetData(DetectionData):
 
 
 @dataclass
-class DetFolderData(DetectionData):
-    """data=detfolder: a COCO-format folder (ddp_utils/data/detection/coco.py)."""
+class DetFilesData(DetectionData):
+    """What the detection options that read image files share."""
 
-    identity: ClassVar[tuple[str, ...]] = DataConfig.identity + (
-        "root", "images_dir", "train_annotations", "val_annotations"
-    )  # fmt: skip
-
-    name: str = "detfolder"
     root: str = "data"
-    images_dir: str = "images"
-    train_annotations: str = "annotations/train.json"
-    val_annotations: str = "annotations/val.json"
     in_channels: int = 3
     image_size: int = 320  # what the detector is checked at before training
     mean: list[float] = field(default_factory=lambda: list(IMAGENET_MEAN))
@@ -456,6 +453,50 @@ class DetFolderData(DetectionData):
     def check(self) -> None:
         super().check()
         check_read_channels(self.in_channels)
+
+
+@dataclass
+class DetFolderData(DetFilesData):
+    """data=detfolder: a COCO-format folder (ddp_utils/data/detection/coco.py)."""
+
+    identity: ClassVar[tuple[str, ...]] = DataConfig.identity + (
+        "root", "images_dir", "train_annotations", "val_annotations"
+    )  # fmt: skip
+
+    name: str = "detfolder"
+    images_dir: str = "images"
+    train_annotations: str = "annotations/train.json"
+    val_annotations: str = "annotations/val.json"
+
+
+@dataclass
+class VOCDetData(DetFilesData):
+    """data=voc_det: Pascal VOC's detection layout (ddp_utils/data/detection/voc.py)."""
+
+    identity: ClassVar[tuple[str, ...]] = DataConfig.identity + (
+        "root", "year", "train_set", "val_set", "classes", "keep_difficult"
+    )  # fmt: skip
+
+    name: str = "voc_det"
+    year: str = "2012"
+    train_set: str = "train"  # ImageSets/Main/<train_set>.txt
+    val_set: str = "val"
+    classes: list[str] = field(default_factory=lambda: list(VOC_CLASSES))
+    num_classes: int = len(VOC_CLASSES) + 1
+    keep_difficult: bool = True  # as crowd boxes: out of training, neither hit nor miss in mAP
+
+    def check(self) -> None:
+        super().check()
+        if len(set(self.classes)) != len(self.classes) or not self.classes:
+            raise ConfigError(
+                f"data.classes={list(self.classes)}: the object classes' names, each once "
+                "(their order gives the labels 1..K)."
+            )
+        if self.num_classes != len(self.classes) + 1:
+            raise ConfigError(
+                f"data.num_classes={self.num_classes} with {len(self.classes)} data.classes: "
+                f"set data.num_classes={len(self.classes) + 1} (the classes and the background)."
+            )
 
 
 # data=pystdlib's rule that cuts train from val; a new rule makes older caches stale (2:
@@ -573,6 +614,7 @@ DATA_OPTIONS: dict[str, type[DataConfig]] = {
     "pystdlib": PyStdlibData,
     "digits_det": DigitsDetData,
     "detfolder": DetFolderData,
+    "voc_det": VOCDetData,
 }
 
 

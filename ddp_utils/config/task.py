@@ -95,7 +95,7 @@ class DetectionTask(TaskConfig):
 
     takes: ClassVar[str | None] = "boxes"
     other_data: ClassVar[str] = (
-        "task=detection needs images with boxes: data=digits_det | detfolder (this is "
+        "task=detection needs images with boxes: data=digits_det | detfolder | voc_det (this is "
         "data={data}); experiment=digits_detection sets all of it."
     )
 

@@ -1,4 +1,5 @@
-"""Detection data: ``data=digits_det`` and ``data=detfolder`` (a COCO-format folder).
+"""Detection data: ``data=digits_det``, ``data=detfolder`` (a COCO-format folder) and
+``data=voc_det`` (Pascal VOC's layout).
 
 Samples are ``(uint8 CHW image, {"boxes": tv_tensors.BoundingBoxes, "labels": int64})``; a
 batch's target is the list of those dicts (torchvision detection's layout), a padding
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from torchvision.transforms import v2
 
-from ddp_utils.config import DetectionData, DetFolderData, DigitsDetData
+from ddp_utils.config import DetectionData, DetFolderData, DigitsDetData, VOCDetData
 from ddp_utils.data.bundle import DataBundle, EvalData, image_bundle, image_eval
 from ddp_utils.data.loaders import eval_shard_loader, sharded_loaders
 from ddp_utils.data.registry import by_schema
@@ -31,7 +32,13 @@ def coco_source(cfg: DetectionData, split: str, rt: Runtime):
     return CocoSource(cfg, split)
 
 
-SOURCES = {DigitsDetData: canvas_source, DetFolderData: coco_source}
+def voc_source(cfg: DetectionData, split: str, rt: Runtime):
+    from ddp_utils.data.detection.voc import VOCSource
+
+    return VOCSource(cfg, split)
+
+
+SOURCES = {DigitsDetData: canvas_source, DetFolderData: coco_source, VOCDetData: voc_source}
 
 
 def det_dataset(source, cfg: DetectionData, train: bool, seed: int) -> SeededTransform:

@@ -18,17 +18,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-import torch
-from torchvision import tv_tensors
-from torchvision.io import ImageReadMode, decode_image
-
 from ddp_utils.config import ConfigError, DataConfig
-
-EDGE_SLACK = 1.0  # pixels a box may pass its image's border by (annotation tools round)
-
-
-def fail(path: Path, what: str, fix: str) -> ConfigError:
-    return ConfigError(f"{path}: {what}. {fix}")
+from ddp_utils.data.detection.boxes import Annotated, BoxFiles, check_classes, check_xyxy, fail
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -69,39 +60,24 @@ def check_box(ann: dict[str, Any], image: dict[str, Any], path: Path) -> list[fl
     ):
         raise fail(path, f"{where} has bbox {bbox!r}", "A bbox is [x, y, width, height].")
     x, y, w, h = (float(v) for v in bbox)
-    if w <= 0 or h <= 0:
-        raise fail(path, f"{where} has a box of zero area ({bbox})", "Remove the annotation "
-                   "or give it a width and height above 0.")  # fmt: skip
     width, height = float(image["width"]), float(image["height"])
-    if (
-        x < -EDGE_SLACK
-        or y < -EDGE_SLACK
-        or x + w > width + EDGE_SLACK
-        or y + h > height + EDGE_SLACK
-    ):
-        size = f"{image['width']}x{image['height']}"
-        raise fail(path, f"{where} has box {bbox} outside its {size} image",
-                   "Clip the box to the image, or fix the image's width and height.")  # fmt: skip
-    return [max(x, 0.0), max(y, 0.0), min(x + w, width), min(y + h, height)]
+    return check_xyxy([x, y, x + w, y + h], width, height, path, where, bbox)
 
 
-class CocoSource:
-    """One split of a COCO folder: ``(uint8 CHW image, {"boxes", "labels", "iscrowd"})``."""
+class CocoSource(BoxFiles):
+    """One split of a COCO folder."""
 
     def __init__(self, cfg: DataConfig, split: str) -> None:
         root = Path(cfg.root)
         path = root / (cfg.train_annotations if split == "train" else cfg.val_annotations)
         doc = read_json(path)
-        labels, self.classes = category_labels(doc, path)
-        if cfg.num_classes != len(self.classes):
-            raise ConfigError(
-                f"{path} has {len(self.classes) - 1} categories, so data.num_classes="
-                f"{len(self.classes)} (with the background); it is {cfg.num_classes}."
-            )
-        self.images = self.index_images(doc, path, root / cfg.images_dir)
-        boxes: dict[int, list] = {i: [] for i in self.images}
+        labels, classes = category_labels(doc, path)
+        check_classes(len(classes) - 1, cfg.num_classes, str(path))
+        folder = root / cfg.images_dir
+        images = self.index_images(doc, path, folder)
+        items = {key: Annotated(folder / image["file_name"]) for key, image in images.items()}
         for ann in doc["annotations"]:
-            image = self.images.get(ann.get("image_id"))
+            image = images.get(ann.get("image_id"))
             if image is None:
                 raise fail(path, f"annotation id {ann.get('id')} names image_id "
                            f"{ann.get('image_id')!r}, which is not in its images",
@@ -111,13 +87,9 @@ class CocoSource:
                            f"has category_id {ann.get('category_id')!r}, not one of its "
                            f"categories {sorted(labels)}",
                            "Fix the id or add the category.")  # fmt: skip
-            xyxy = check_box(ann, image, path)
-            boxes[image["id"]].append(
-                (xyxy, labels[ann["category_id"]], int(bool(ann.get("iscrowd", 0))))
-            )
-        self.ids = sorted(self.images)
-        self.targets = [boxes[i] for i in self.ids]
-        self.channels, self.root = cfg.in_channels, root / cfg.images_dir
+            items[image["id"]].boxes.append((check_box(ann, image, path),
+                labels[ann["category_id"]], int(bool(ann.get("iscrowd", 0)))))  # fmt: skip
+        super().__init__([items[key] for key in sorted(items)], classes, cfg.in_channels)
 
     @staticmethod
     def index_images(doc: dict[str, Any], path: Path, folder: Path) -> dict[int, dict[str, Any]]:
@@ -136,19 +108,3 @@ class CocoSource:
                            "Add the file, fix file_name, or set data.images_dir.")  # fmt: skip
             images[key] = image
         return images
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        image = self.images[self.ids[i]]
-        mode = ImageReadMode.GRAY if self.channels == 1 else ImageReadMode.RGB
-        pixels = decode_image(str(self.root / image["file_name"]), mode=mode)
-        entries = self.targets[i]
-        boxes = torch.tensor([e[0] for e in entries], dtype=torch.float32).reshape(-1, 4)
-        size = (int(pixels.shape[-2]), int(pixels.shape[-1]))
-        return pixels, {
-            "boxes": tv_tensors.BoundingBoxes(boxes, format="XYXY", canvas_size=size),
-            "labels": torch.tensor([e[1] for e in entries], dtype=torch.int64),
-            "iscrowd": torch.tensor([e[2] for e in entries], dtype=torch.int64),
-        }

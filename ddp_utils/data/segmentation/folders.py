@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ddp_utils.config import VOC_CLASSES as VOC_OBJECTS
 from ddp_utils.config import ConfigError, SegmentationData
 from ddp_utils.data.cache import cache_path, shared_cache
 from ddp_utils.data.imagefolder import (
@@ -35,11 +36,7 @@ from ddp_utils.run import log
 INDEX_VERSION = 1
 MASK_MODES = ("L", "P", "1", "I;16", "I")  # one value a pixel (a palette image: its index)
 SHOWN = 5  # files named in an error
-VOC_CLASSES = [
-    "background", "aeroplane", "bicycle", "bird", "boat", "bottle", "bus", "car", "cat",
-    "chair", "cow", "diningtable", "dog", "horse", "motorbike", "person", "pottedplant",
-    "sheep", "sofa", "train", "tvmonitor",
-]  # fmt: skip
+VOC_CLASSES = ["background", *VOC_OBJECTS]
 
 
 @dataclass
