@@ -8,8 +8,8 @@ import json
 import shutil
 
 import pytest
-from detfolders import write_coco_folder
 from conftest import read_metrics, run_script
+from detfolders import write_coco_folder
 
 pytest.importorskip(
     "faster_coco_eval", reason="mAP needs faster-coco-eval (make install: the [det] extra)"
