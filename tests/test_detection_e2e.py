@@ -5,6 +5,9 @@ same parameters as an uninterrupted one."""
 
 from __future__ import annotations
 
+import csv
+import json
+
 import pytest
 from callbacks import fault
 from conftest import assert_same_params, eval_at_world_sizes, params, read_metrics, run_script
@@ -68,3 +71,38 @@ def test_a_torchvision_detector_scores_the_same_at_world_sizes_1_2_3(tmp_path):
         for key in MAP_KEYS:
             assert r[key] == base[key], (n, key)
     assert base["map"] == read_metrics(run)[-1]["val/map"]
+
+
+def test_an_optuna_sweep_of_detection_in_bf16_with_ema_and_trackers(tmp_path):
+    """Two trials (a grid over the learning rate) of the recipe at world size 2 in bf16 with
+    an EMA, logged to CSV and MLflow: each trial's objective is its best val/map, the trackers
+    hold the scalar mAPs (map_per_class, a list, left out), and eval.py on best_ema.pt with
+    ema=true gives the val_ema/map it was kept for."""
+    pytest.importorskip("optuna")
+    mlflow = pytest.importorskip("mlflow")
+    sweep = tmp_path / "sweep"
+    run_script("train.py", "-m", "experiment=digits_detection", "hydra/sweeper=optuna",
+               "hydra.sweeper.n_trials=2",
+               "hydra.sweeper.sampler={_target_:optuna.samplers.GridSampler,seed:0,"
+               "search_space:{optim.lr:[0.01,0.02]}}",
+               "hydra.sweeper.params={optim.lr:'choice(0.01,0.02)'}", "trainer.epochs=2",
+               "trainer.precision=bf16", "trainer.ema_decay=0.9", "trainer.ema_every_steps=4",
+               "trainer.save_best_ema=true", "logger=[csv,mlflow]", "trainer.progress=false",
+               f"hydra.sweep.dir={sweep}", nproc=2, timeout=900)  # fmt: skip
+    trials = json.loads((sweep / "optuna_study.json").read_text())["trials"]
+    assert sorted(t["params"]["optim.lr"] for t in trials) == [0.01, 0.02]
+    client = mlflow.tracking.MlflowClient(tracking_uri=f"sqlite:///{sweep / 'mlruns.db'}")
+    (experiment,) = [e for e in client.search_experiments() if e.name == "ddp-recipes"]
+    assert len(client.search_runs([experiment.experiment_id])) == 2
+    for t in trials:
+        job = sweep / str(t["number"])
+        records = read_metrics(job)
+        assert t["state"] == "COMPLETE" and t["value"] == max(r["val/map"] for r in records)
+        assert all(0 <= r["val_ema/map"] <= 1 for r in records)
+        rows = list(csv.DictReader((job / "metrics.csv").open()))
+        assert [float(r["val/map"]) for r in rows] == [r["val/map"] for r in records]
+        assert "val/map_per_class" not in rows[0]
+        out = tmp_path / f"eval{t['number']}.json"
+        run_script("eval.py", f"checkpoint={job}/checkpoints/best_ema.pt", "ema=true",
+                   f"output={out}")  # fmt: skip
+        assert json.loads(out.read_text())["map"] == max(r["val_ema/map"] for r in records)
