@@ -6,7 +6,15 @@ A training checkpoint is a dict of plain tensors and containers: ``model``, ``op
 ``scheduler``, ``scaler``, ``epoch``, ``step``, ``sample_offset``, ``epoch_totals``,
 ``sampler``, ``rng`` (every rank's), ``best``, ``best_ema``, ``model_ema`` (with EMA),
 ``world_size``, ``classes``, ``samples_seen``, ``trackers``, ``config`` (the run's whole
-config), and what the data adds for inference (``tokenizer``)."""
+config), and what the data adds for inference (``tokenizer``).
+
+A sharded checkpoint (``trainer.strategy=fsdp2``) is a folder ``step_<N>.dcp/`` written by
+every rank with torch.distributed.checkpoint: ``model``, ``optimizer`` and ``model_ema`` as
+shards (``.metadata`` and one ``.distcp`` file a rank), the rest in ``meta.pt`` (the main
+rank's, read with ``weights_only``). It is written as ``.step_<N>.dcp.tmp/`` and renamed
+whole, so a folder named ``step_*`` is complete; ``last.dcp`` is a link to the newest,
+``best.dcp`` a copy of its own. Any world size reads it (resharded to its own);
+``python -m ddp_utils.checkpoint DIR OUT.pt`` turns it into one whole file."""
 
 from __future__ import annotations
 
@@ -22,7 +30,7 @@ from torch import nn
 
 from ddp_utils.config import ConfigError, TrainConfig, whole_sentences
 from ddp_utils.dist import Runtime
-from ddp_utils.files import atomic_save, atomic_write
+from ddp_utils.files import atomic_save, atomic_write, writing_into
 from ddp_utils.models import build_model
 from ddp_utils.run import write_on_main
 
@@ -44,9 +52,21 @@ def publish(src: Path, dst: Path, copy: bool = False) -> None:
     os.replace(tmp, dst)
 
 
+SHARDED_SUFFIX = ".dcp"
+SHARDED_KEYS = ("model", "optimizer", "model_ema")  # the states a sharded checkpoint shards
+META = "meta.pt"  # a sharded checkpoint's plain part
+
+
 def step_checkpoints(ckpt_dir: Path) -> list[Path]:
-    """``step_*.pt`` files, oldest first."""
-    return sorted(ckpt_dir.glob("step_*.pt"))
+    """``step_*.pt`` files and ``step_*.dcp`` folders, oldest first."""
+    return sorted(p for p in ckpt_dir.glob("step_*") if p.suffix in (".pt", SHARDED_SUFFIX))
+
+
+def remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def save_training_checkpoint(
@@ -70,6 +90,67 @@ def save_training_checkpoint(
     return path
 
 
+def link(target: Path, name: Path) -> None:
+    """Point the symbolic link ``name`` at ``target`` (a sibling), atomically."""
+    tmp = name.with_name(f".{name.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)
+    os.symlink(target.name, tmp)
+    os.replace(tmp, name)
+
+
+def copy_folder(src: Path, dst: Path) -> None:
+    """``dst`` becomes a complete copy of ``src``: copied beside it, then swapped in."""
+    tmp, old = (dst.with_name(f".{dst.name}.{os.getpid()}.{t}") for t in ("tmp", "old"))
+    for p in (tmp, old):
+        remove(p)
+    shutil.copytree(src, tmp)
+    if dst.exists():
+        os.replace(dst, old)
+    os.replace(tmp, dst)
+    remove(old)
+
+
+def save_sharded(
+    state: dict[str, Any], ckpt_dir: Path, also: tuple[str, ...], keep_last: int, rt: Runtime
+) -> Path:
+    """Every rank: write its shards of ``state``'s model, optimizer and EMA (and the main rank
+    the rest) into ``step_<N>.dcp/``, renamed into place once complete; ``last.dcp`` then links
+    to it, each name in ``also`` (``best.pt`` is ``best.dcp``) gets a copy, and all but the
+    newest ``keep_last`` step folders go."""
+    import torch.distributed.checkpoint as dcp
+
+    path = ckpt_dir / f"step_{state['step']:08d}{SHARDED_SUFFIX}"
+    tmp = ckpt_dir / f".{path.name}.tmp"
+    write_on_main(ckpt_dir.parent, rt, lambda: (remove(tmp), tmp.mkdir(parents=True)))
+    shards = {k: state[k] for k in SHARDED_KEYS if k in state}
+    with writing_into(ckpt_dir.parent):
+        dcp.save(shards, checkpoint_id=tmp)  # every rank its own file; raises on every rank
+
+    def publish_folder() -> None:
+        plain = {k: v for k, v in state.items() if k not in shards}
+        atomic_save(plain | {"sharded": sorted(shards)}, tmp / META)
+        remove(path)
+        os.replace(tmp, path)
+        link(path, ckpt_dir / f"last{SHARDED_SUFFIX}")
+        for name in also:
+            copy_folder(path, ckpt_dir / Path(name).with_suffix(SHARDED_SUFFIX).name)
+        for old in [p for p in step_checkpoints(ckpt_dir) if p.suffix == SHARDED_SUFFIX][
+            :-keep_last
+        ]:
+            remove(old)
+
+    write_on_main(ckpt_dir.parent, rt, publish_folder)
+    return path
+
+
+def read_sharded(ckpt: dict[str, Any], template: dict[str, Any], alone: bool = False) -> None:
+    """Fill ``template`` (state dicts as the reader holds them: shards of its own world size,
+    or whole tensors) from a sharded checkpoint. Every rank calls it, unless ``alone``."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.load(template, checkpoint_id=ckpt[SHARDED_DIR], no_dist=alone)
+
+
 def newest_loadable(
     ckpt_dir: Path, warn: Callable[[str], None]
 ) -> tuple[Path, dict[str, Any]] | None:
@@ -78,8 +159,8 @@ def newest_loadable(
     loads, ConfigError with what was tried (training over the run would lose it). An unsafe
     file is not skipped: it raises, since someone put it there."""
     candidates = list(reversed(step_checkpoints(ckpt_dir)))
-    if not candidates and (ckpt_dir / "last.pt").is_file():
-        candidates = [ckpt_dir / "last.pt"]
+    if not candidates:
+        candidates = [p for p in (ckpt_dir / "last.pt", ckpt_dir / "last.dcp") if p.exists()]
     tried = []
     for path in candidates:
         try:
@@ -115,10 +196,12 @@ def load_checkpoint(path: str | Path, mmap: bool = False) -> dict[str, Any]:
     """Load with ``weights_only=True``; a missing, corrupt or unsafe file raises ConfigError.
     ``mmap``: map the tensors instead of reading them (to look at the config alone)."""
     path = Path(path)
+    if path.is_dir():
+        return load_sharded_meta(path)
     if not path.is_file():
         raise ConfigError(
-            f"checkpoint={path}: no such file; pass the path of a .pt file written by train.py "
-            "(e.g. outputs/<run>/checkpoints/best.pt)."
+            f"checkpoint={path}: no such file; pass the path of a .pt file (or .dcp folder) "
+            "written by train.py (e.g. outputs/<run>/checkpoints/best.pt)."
         )
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
@@ -133,9 +216,26 @@ def load_checkpoint(path: str | Path, mmap: bool = False) -> dict[str, Any]:
         raise _corrupt(path, e) from None
     except Exception as e:  # torch.load reports torn files as RuntimeError, KeyError, EOFError...
         raise _corrupt(path, e) from None
-    if not isinstance(ckpt, dict) or "model" not in ckpt or "config" not in ckpt:
+    if (
+        not isinstance(ckpt, dict)
+        or "config" not in ckpt
+        or not ("model" in ckpt or "sharded" in ckpt)
+    ):
         raise ConfigError(f"checkpoint={path} was not written by train.py (no model/config keys).")
     return ckpt
+
+
+SHARDED_DIR = "sharded_dir"  # where a loaded sharded checkpoint's shards are
+
+
+def load_sharded_meta(path: Path) -> dict[str, Any]:
+    """A sharded checkpoint's plain part, with where its shards are (``SHARDED_DIR``)."""
+    if not (path / ".metadata").is_file():
+        raise _corrupt(path, FileNotFoundError(f"no .metadata in {path.name}"))
+    ckpt = load_checkpoint(path / META) if (path / META).is_file() else None
+    if ckpt is None:
+        raise _corrupt(path, FileNotFoundError(f"no {META} in {path.name}"))
+    return ckpt | {SHARDED_DIR: str(path)}
 
 
 class CorruptCheckpointError(ConfigError):
@@ -167,8 +267,18 @@ def load_model_state(model: nn.Module, state: dict[str, Any], where: str, fix: s
         ) from None
 
 
-def model_weights(ckpt: dict[str, Any], checkpoint: str | Path, ema: bool) -> dict[str, Any]:
-    """The checkpoint's model weights, or with ``ema=true`` its EMA weights."""
+def model_weights(
+    ckpt: dict[str, Any], checkpoint: str | Path, ema: bool, model: nn.Module
+) -> dict[str, Any]:
+    """The checkpoint's model weights, or with ``ema=true`` its EMA weights (a sharded
+    checkpoint's read whole, in the shapes of ``model``'s state dict)."""
+    if SHARDED_DIR in ckpt:
+        if ema and "model_ema" not in ckpt["sharded"]:
+            raise ConfigError(f"ema=true but checkpoint={checkpoint} holds no EMA weights: "
+                              "train with trainer.ema_decay, or drop ema=true.")  # fmt: skip
+        template = {"model": model.state_dict()}
+        read_sharded(ckpt, {"model_ema": template} if ema else template, alone=True)
+        return template["model"]
     if not ema:
         return ckpt["model"]
     if "model_ema" not in ckpt:
@@ -190,5 +300,48 @@ def inference_model(
     """The model ``train_cfg`` describes, with the checkpoint's weights (its EMA weights with
     ``ema``), on the CPU; ``fix`` is what to do when they do not fit."""
     model = build_model(train_cfg.model, train_cfg.data, num_outputs)
-    load_model_state(model, model_weights(ckpt, checkpoint, ema), f"checkpoint={checkpoint}", fix)
+    weights = model_weights(ckpt, checkpoint, ema, model)
+    load_model_state(model, weights, f"checkpoint={checkpoint}", fix)
     return model
+
+
+def to_single_file(src: Path, dst: Path) -> None:
+    """A sharded checkpoint as one whole file that eval.py and generate.py read, and that can
+    be shared: torch's ``dcp_to_torch_save`` gathers the shards; the optimizer's state stays
+    behind (keyed by parameter name, it would not load into a single process's optimizer, and
+    training resumes from the folder)."""
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    meta = load_sharded_meta(src)
+    with tempfile.TemporaryDirectory(dir=dst.parent) as tmp:
+        dcp_to_torch_save(src, Path(tmp) / "whole.pt")
+        whole = torch.load(Path(tmp) / "whole.pt", map_location="cpu", weights_only=True)
+    plain = {k: v for k, v in meta.items() if k not in (SHARDED_DIR, "sharded")}
+    states = {k: v for k, v in whole.items() if k != "optimizer"}
+    atomic_save(plain | states | {"converted_from": str(src)}, dst)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(
+        prog="python -m ddp_utils.checkpoint",
+        description="Turn a sharded checkpoint folder (trainer.strategy=fsdp2, *.dcp) into one "
+        "whole .pt file for eval.py, generate.py and sharing.",
+    )
+    p.add_argument("src", type=Path, help="a .dcp folder, e.g. outputs/RUN/checkpoints/best.dcp")
+    p.add_argument("dst", type=Path, help="the .pt file to write")
+    args = p.parse_args(argv)
+    try:
+        to_single_file(args.src, args.dst)
+    except ConfigError as e:
+        print(f"error: {e}", file=__import__("sys").stderr)
+        return 2
+    print(f"wrote {args.dst}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

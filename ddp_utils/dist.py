@@ -332,6 +332,12 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t
+
+
 @contextlib.contextmanager
 def local_main_first(rt: Runtime) -> Iterator[None]:
     """Let local rank 0 prepare per-node files (downloads, caches) while the others wait."""

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader
 from torchmetrics import Metric, MetricCollection
 
 from ddp_utils.config import ConfigError, TaskConfig
-from ddp_utils.dist import Runtime, all_reduce_sum
+from ddp_utils.dist import Runtime, all_reduce_max, all_reduce_sum
 from ddp_utils.targets import why
 from ddp_utils.tasks import Task
 from ddp_utils.watchdog import StepWatchdog
@@ -79,6 +79,19 @@ def build_metrics(cfg: TaskConfig, task: Task, device: torch.device) -> MetricCo
     return MetricCollection(metrics, compute_groups=False).to(device)
 
 
+def lockstep_rounds(batches: int, rt: Runtime) -> int:
+    """The most batches any rank's shard holds; ConfigError on every rank when some rank has
+    none (it would have no batch to repeat)."""
+    most, fewest = all_reduce_max(torch.tensor([batches, -batches], device=rt.device)).tolist()
+    if most and not -fewest:
+        raise ConfigError(
+            f"the evaluation set leaves a rank without a batch at world size {rt.world_size}, "
+            "and a sharded model needs every rank in every forward: evaluate on fewer "
+            "processes, or with a larger set."
+        )
+    return int(most)
+
+
 class CountMismatchError(RuntimeError):
     """The evaluation counted a different number of samples than the set holds."""
 
@@ -100,6 +113,7 @@ def evaluate(
     amp: Callable[[], AbstractContextManager] = contextlib.nullcontext,
     watchdog: StepWatchdog | None = None,
     skip_bad: bool = False,
+    lockstep: bool = False,
 ) -> dict[str, Any]:
     """Score ``model`` (the unwrapped module) on the sharded ``loader``; same result on all ranks.
 
@@ -107,7 +121,9 @@ def evaluate(
     that would deadlock when ranks hold different numbers of batches. ``watchdog`` times each
     batch (not the final sync, where a rank waits for a slower one). ``task.eval_step`` updates
     the metrics and gives the loss; with ``skip_bad`` unreadable images (``BAD_LABEL``) may be
-    in a batch: they are counted apart and kept out of both.
+    in a batch: they are counted apart and kept out of both. With ``lockstep`` (a sharded
+    model, whose every forward is a collective) a rank whose shard ends early repeats its last
+    batch's forward, uncounted (``task.idle_forward``), until every rank is done.
     """
     was_training = model.training
     model.eval()
@@ -116,6 +132,8 @@ def evaluate(
     totals = torch.zeros(4, dtype=torch.float64, device=rt.device)
     beat = watchdog.beat if watchdog is not None else lambda phase: None
     beat("val")
+    rounds = lockstep_rounds(len(loader), rt) if lockstep else len(loader)
+    batch = None
     for images, target in loader:
         # Skipped images are counted apart, left out of the loss and the metrics.
         batch = task.to_batch(images, target, rt.device, preprocess, skip_bad, not skip_bad)
@@ -126,6 +144,9 @@ def evaluate(
         totals += torch.stack([loss_sum.double(), n.double(), n_bad.double(),
                                (batch.size - n_bad).double()])  # fmt: skip
         beat("val")
+    for _ in range(rounds - len(loader)):
+        with amp():
+            task.idle_forward(model, batch)
     if watchdog is not None:
         watchdog.disarm()
     computed = metrics.compute()  # torchmetrics' sync: every rank reaches it

@@ -41,11 +41,14 @@ def param_groups(cfg: OptimConfig, model: nn.Module) -> list[dict]:
     return [{"params": params, "weight_decay": wd} for wd, params in groups.items()]
 
 
-def build_optimizer(cfg: OptimConfig, model: nn.Module) -> torch.optim.Optimizer:
+def build_optimizer(
+    cfg: OptimConfig, model: nn.Module, sharded: bool = False
+) -> torch.optim.Optimizer:
     """The option's class (``optim._target_``) on the weight-decay groups, with the lr and
-    the option's own arguments (``optimizer_kwargs``)."""
+    the option's own arguments (``optimizer_kwargs``, for DTensor shards with ``sharded``)."""
     groups = param_groups(cfg, model)
-    return instantiate({"_target_": cfg._target_}, groups, lr=cfg.lr, **cfg.optimizer_kwargs())
+    kwargs = cfg.optimizer_kwargs(sharded)
+    return instantiate({"_target_": cfg._target_}, groups, lr=cfg.lr, **kwargs)
 
 
 def warmup_steps(cfg: SchedConfig, steps_per_epoch: int) -> int:

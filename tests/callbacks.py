@@ -173,3 +173,31 @@ class Slow(Callback):
 
 def slow(step_s: float) -> str:
     return f"callbacks=[{{_target_:tests.callbacks.Slow,step_s:{step_s}}}]"
+
+
+class StateDump(Callback):
+    """At the start of training (after a resume) rank 0 writes the whole model and optimizer
+    state, gathered from every rank's shards, to ``path``: what a resume really loaded."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_start(self, tr) -> None:
+        import torch
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        whole = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = {
+            "model": get_model_state_dict(tr.raw_model, options=whole),
+            "optimizer": get_optimizer_state_dict(tr.raw_model, tr.optimizer, options=whole),
+        }
+        if tr.rt.is_main:
+            torch.save(state, self.path)
+
+
+def dump_state(path: Path) -> str:
+    return f"callbacks=[{{_target_:tests.callbacks.StateDump,path:{path}}}]"

@@ -197,27 +197,47 @@ def run_forked(
     mistake: the real entry script as ``__main__`` in a process of its own, with its own exit
     code, stdout and stderr, but without paying again for the interpreter and torch (seconds
     each). Runs that train use ``run_script``: a fork shares the parent's thread pools."""
+    (done,) = run_forked_group(script, *args, envs=[env or {}], cwd=cwd, timeout=timeout)
+    return done
+
+
+def run_forked_group(
+    script: str, *args: str, envs: list[dict[str, str]], cwd: Path = ROOT, timeout: float = 120
+) -> list[subprocess.CompletedProcess]:
+    """One fork a process of ``envs``, all started together (the ranks of a group, given
+    torchrun's variables), each waited for; their exit codes, stdout and stderr."""
     import tempfile
 
     import ddp_utils.entry  # noqa: F401 - imported once here rather than in every fork
 
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        sys.stdout.flush(), sys.stderr.flush()
+    files = [(tempfile.TemporaryFile(), tempfile.TemporaryFile()) for _ in envs]  # noqa: SIM115
+    sys.stdout.flush(), sys.stderr.flush()
+    pids = []
+    for env, (out, err) in zip(envs, files, strict=True):
         pid = os.fork()
         if pid == 0:
-            _forked_main(str(ROOT / script), args, cwd, env or {}, out.fileno(), err.fileno())
-        deadline = time.time() + timeout
-        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0:
-            if time.time() > deadline:
+            _forked_main(str(ROOT / script), args, cwd, env, out.fileno(), err.fileno())
+        pids.append(pid)
+    deadline, codes = time.time() + timeout, {}
+    while len(codes) < len(pids):
+        for pid in pids:
+            if pid not in codes and (done := os.waitpid(pid, os.WNOHANG))[0] != 0:
+                codes[pid] = os.waitstatus_to_exitcode(done[1])
+        if time.time() > deadline:
+            for pid in set(pids) - set(codes):
                 os.kill(pid, 9)
                 os.waitpid(pid, 0)
-                raise subprocess.TimeoutExpired([script, *args], timeout)
-            time.sleep(0.01)
+            raise subprocess.TimeoutExpired([script, *args], timeout)
+        time.sleep(0.01)
+    results = []
+    for pid, (out, err) in zip(pids, files, strict=True):
         texts = []
         for f in (out, err):
             f.seek(0)
             texts.append(f.read().decode())
-    return subprocess.CompletedProcess([script, *args], os.waitstatus_to_exitcode(done[1]), *texts)
+            f.close()
+        results.append(subprocess.CompletedProcess([script, *args], codes[pid], *texts))
+    return results
 
 
 def _forked_main(script: str, args: tuple, cwd: Path, env: dict, out: int, err: int) -> None:
@@ -266,10 +286,26 @@ def wait_for_step_checkpoint(
 
 
 def params(run_dir: Path, name: str = "last.pt") -> dict:
-    """The model state of a run's checkpoint."""
+    """The model state of a run's checkpoint (of ``last.dcp`` for a sharded run)."""
+    path = run_dir / "checkpoints" / name
+    if not path.exists() and path.with_suffix(".dcp").exists():
+        path = path.with_suffix(".dcp")
+    return whole_checkpoint(path)["model"]
+
+
+def whole_checkpoint(path: Path) -> dict:
+    """A checkpoint file, or a sharded checkpoint's states gathered whole (torch's converter)."""
+    import tempfile
+
     import torch
 
-    return torch.load(run_dir / "checkpoints" / name, weights_only=True)["model"]
+    if not path.is_dir():
+        return torch.load(path, weights_only=True)
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(path, Path(tmp) / "whole.pt")
+        return torch.load(Path(tmp) / "whole.pt", weights_only=True)
 
 
 def assert_same_params(a: dict, b: dict) -> None:

@@ -31,8 +31,9 @@ class OptimConfig:
     # normalisation gains (1-D) take none, whatever norm/bias_weight_decay say.
     decay_2d_only: bool = False
 
-    def optimizer_kwargs(self) -> dict[str, Any]:
-        """What the option passes to its class besides the parameter groups and the lr."""
+    def optimizer_kwargs(self, sharded: bool = False) -> dict[str, Any]:
+        """What the option passes to its class besides the parameter groups and the lr;
+        ``sharded``: for parameters sharded as DTensors (trainer.strategy=fsdp2)."""
         return {}
 
     def check(self) -> None:
@@ -49,8 +50,10 @@ class SGDOptim(OptimConfig):
     momentum: float = 0.9
     nesterov: bool = False
 
-    def optimizer_kwargs(self) -> dict[str, Any]:
-        return {"momentum": self.momentum, "nesterov": self.nesterov, "fused": True}
+    def optimizer_kwargs(self, sharded: bool = False) -> dict[str, Any]:
+        # torch's fused SGD has no rule for DTensors; its multi-tensor path has
+        kernel = {"foreach": True} if sharded else {"fused": True}
+        return {"momentum": self.momentum, "nesterov": self.nesterov, **kernel}
 
     def check(self) -> None:
         super().check()
@@ -68,8 +71,8 @@ class AdamWOptim(OptimConfig):
     lr: float = 0.001
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
 
-    def optimizer_kwargs(self) -> dict[str, Any]:
-        return {"betas": tuple(self.betas), "fused": True}
+    def optimizer_kwargs(self, sharded: bool = False) -> dict[str, Any]:
+        return {"betas": tuple(self.betas), "fused": True}  # fused AdamW runs on DTensors too
 
     def check(self) -> None:
         super().check()
@@ -88,7 +91,7 @@ class CustomOptim(OptimConfig):
     name: str = "custom"
     kwargs: dict[str, Any] = field(default_factory=dict)  # +optim.NAME=VALUE
 
-    def optimizer_kwargs(self) -> dict[str, Any]:
+    def optimizer_kwargs(self, sharded: bool = False) -> dict[str, Any]:
         return dict(self.kwargs)
 
     def check(self) -> None:

@@ -39,6 +39,20 @@ PROGRESS = ("auto", "true", "false")
 
 
 @dataclass
+class FSDPOptions:
+    """``trainer.strategy=fsdp2``'s keys (ddp_utils/strategy/fsdp2.py)."""
+
+    # Module class names sharded one by one (then the root); null = the model's own blocks:
+    # its ``fsdp_units()`` where it defines one (the GPT's transformer blocks), else its
+    # top-level children that hold parameters (a torchvision model's stages).
+    wrap: list[str] | None = None
+    # Free each unit's gathered parameters after its forward (gathered again for the
+    # backward): less memory, one more all-gather a unit.
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False  # parameters, gradients and optimizer state in host memory
+
+
+@dataclass
 class TrainerConfig:
     epochs: int = 10
     # The run's length in optimizer steps (as many epochs as that takes); null = epochs
@@ -57,8 +71,12 @@ class TrainerConfig:
     # NHWC activations: auto = on for CUDA (tensor-core convolutions), off on a CPU (measured
     # slower there) | true | false
     channels_last: str = "auto"
-    # How the model is distributed (ddp_utils.strategy): ddp | pkg.module.MyStrategy
+    # How the model is distributed (ddp_utils.strategy): ddp | fsdp2 | pkg.module.MyStrategy
     strategy: str = "ddp"
+    fsdp: FSDPOptions = field(default_factory=FSDPOptions)
+    # Recompute each of the model's units (trainer.fsdp.wrap, or its own blocks) in the
+    # backward instead of keeping its activations: less memory, one more forward a unit
+    activation_checkpointing: bool = False
     bucket_cap_mb: float = 25.0  # DDP gradient bucket size
     gradient_as_bucket_view: bool = True  # gradients alias DDP's buckets: one copy less
     static_graph: bool = False  # DDP: the graph is the same every step
@@ -68,7 +86,7 @@ class TrainerConfig:
     label_smoothing: float = 0.0
     ema_decay: float | None = None  # EMA of the weights (references' adjustment); null = off
     ema_every_steps: int = 32
-    save_best_ema: bool = False  # also keep best_ema.pt, by val_ema/accuracy
+    save_best_ema: bool = False  # also keep best_ema.pt, by val_ema/<task.monitor>
 
 
 @dataclass

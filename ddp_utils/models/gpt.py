@@ -86,6 +86,11 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
+    def fsdp_units(self) -> list[nn.Module]:
+        """What trainer.strategy=fsdp2 shards one by one: the transformer blocks (the
+        embeddings, tied to the head, stay with the root)."""
+        return list(self.blocks)
+
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]
         if t > self.block_size:

@@ -15,7 +15,10 @@ from ddp_utils.strategy.base import Strategy
 
 __all__ = ["STRATEGIES", "Strategy", "build_strategy", "strategy_class"]
 
-STRATEGIES = {"ddp": "ddp_utils.strategy.ddp.DDPStrategy"}
+STRATEGIES = {
+    "ddp": "ddp_utils.strategy.ddp.DDPStrategy",
+    "fsdp2": "ddp_utils.strategy.fsdp2.FSDP2Strategy",
+}
 
 
 def strategy_class(trainer: TrainerConfig) -> type[Strategy]:

@@ -12,11 +12,55 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddp_utils.checkpoint import save_training_checkpoint
-from ddp_utils.config import TrainerConfig
+from ddp_utils.checkpoint import SHARDED_DIR, read_sharded, save_training_checkpoint
+from ddp_utils.config import ConfigError, TrainerConfig
 from ddp_utils.dist import Runtime, broadcast_buffers
 from ddp_utils.models import memory_format_of
 from ddp_utils.models.ema import EMA
+
+
+def model_units(model: nn.Module, wrap: list[str] | None, key: str) -> list[nn.Module]:
+    """The model's units (what fsdp2 shards before the root, what activation checkpointing
+    recomputes), innermost first. ``wrap``: by class name; else the
+    model's ``fsdp_units()``; else its top-level children that hold parameters of their own
+    (one sharing a parameter with another, such as a tied embedding, stays with the root)."""
+    if wrap is not None:
+        names = set(wrap)
+        units = [m for m in model.modules() if type(m).__name__ in names and m is not model]
+        if not units:
+            present = sorted({type(m).__name__ for m in model.modules()})
+            raise ConfigError(
+                f"{key}={list(wrap)}: the model has no module of these classes; "
+                f"it has {', '.join(present[:30])}. Name some of those, or leave "
+                f"{key}=null for the model's own blocks."
+            )
+        return list(reversed(units))  # children before the blocks that hold them
+    if hasattr(model, "fsdp_units"):
+        return list(model.fsdp_units())
+    children = [c for c in model.children() if any(True for _ in c.parameters())]
+    owners: dict[int, int] = {}
+    for c in children:
+        for p in c.parameters():
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    return [c for c in children if all(owners[id(p)] == 1 for p in c.parameters())]
+
+
+def checkpoint_activations(model: nn.Module, units: list[nn.Module]) -> None:
+    """Keep only each unit's inputs in the forward and recompute the rest in its backward
+    (torch's checkpoint wrapper, non-reentrant, put in place of each unit; state dicts keep
+    their keys)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+
+    chosen = {id(u) for u in units}
+    apply_activation_checkpointing(
+        model,
+        checkpoint_wrapper_fn=lambda m: checkpoint_wrapper(m, CheckpointImpl.NO_REENTRANT),
+        check_fn=lambda m: id(m) in chosen,
+    )
 
 
 class Strategy:
@@ -24,6 +68,13 @@ class Strategy:
     model as built (``raw_model``, the module checkpoints and evaluation know); ``model`` is
     what the training forward runs. The defaults here are a single process's: nothing to
     synchronise, the main rank writes whole state dicts."""
+
+    # Whether every forward is a collective, so that evaluation must run the same number of
+    # forwards on every rank (ddp_utils.metrics.evaluate).
+    lockstep_eval: bool = False
+    # Whether parameters are DTensor shards: the optimizer is built for them and checkpoints
+    # are sharded folders (ddp_utils.checkpoint.save_sharded).
+    shards_parameters: bool = False
 
     def __init__(self, trainer: TrainerConfig, rt: Runtime) -> None:
         self.trainer, self.rt = trainer, rt
@@ -34,6 +85,9 @@ class Strategy:
         """Place ``raw_model`` on the device (in the trainer's memory format), distribute it,
         compile it with ``trainer.compile``; return the module the training forward runs."""
         raw_model = self.prepare(raw_model)
+        if self.trainer.activation_checkpointing:
+            units = model_units(raw_model, self.trainer.fsdp.wrap, "trainer.fsdp.wrap")
+            checkpoint_activations(raw_model, units)
         raw_model.to(self.rt.device, memory_format=memory_format_of(self.trainer.channels_last))
         self.raw_model = raw_model
         self.model = self.distribute(raw_model)
@@ -75,6 +129,26 @@ class Strategy:
 
     # What a checkpoint holds of the model and optimizer, and how it is written. Every rank
     # calls each of these.
+    def read_states(
+        self, ckpt: dict[str, Any], optimizer: torch.optim.Optimizer, ema: EMA | None
+    ) -> dict[str, Any]:
+        """The checkpoint's ``model``, ``optimizer`` and ``model_ema`` states as this strategy
+        loads them: a whole file's as they are, a sharded folder's read into this run's own
+        state dicts (resharded to this world size)."""
+        if SHARDED_DIR not in ckpt:
+            return ckpt
+        if not self.shards_parameters:
+            raise ConfigError(
+                f"{ckpt[SHARDED_DIR]} is a sharded checkpoint: resume it with the strategy "
+                f"that wrote it (trainer.strategy={ckpt['config']['trainer']['strategy']})."
+            )
+        template = {"model": self.model_state_dict(),
+                    "optimizer": self.optimizer_state_dict(optimizer)}  # fmt: skip
+        if ema is not None and "model_ema" in ckpt["sharded"]:
+            template["model_ema"] = ema.state_dict()
+        read_sharded(ckpt, template)
+        return template
+
     def model_state_dict(self) -> dict[str, Any]:
         return self.raw_model.state_dict()
 

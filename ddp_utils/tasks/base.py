@@ -109,6 +109,9 @@ class Task:
     # Whether train_loss runs on a model in eval mode, where the check before the first step
     # calls it (nothing moves there); torchvision's detectors make losses in training mode only.
     loss_in_eval_mode: bool = True
+    # Whether eval_step runs one forward a batch (the same number on every rank, up to the
+    # last: what a sharded model's lockstep evaluation counts on).
+    one_forward_a_batch: bool = True
 
     def to_batch(self, images: Any, target: Any, device: torch.device, preprocess: nn.Module,
                  skip_bad: bool = False, all_real: bool = False) -> Batch:  # fmt: skip
@@ -132,6 +135,11 @@ class Task:
         self, model: nn.Module, batch: Batch, metrics: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
+
+    def idle_forward(self, model: nn.Module, batch: Batch) -> None:
+        """The forwards ``eval_step`` runs on ``batch``, their outputs dropped: a rank whose
+        evaluation shard ended early keeps a sharded model's collectives in step with it."""
+        model(batch.inputs)
 
     def metrics(self) -> dict[str, Any]:
         return {}

@@ -81,6 +81,7 @@ class Detection(Task):
     mAP@75 and per-class AP (``map_per_class``)."""
 
     loss_in_eval_mode = False  # a torchvision detector gives losses in training mode only
+    one_forward_a_batch = False  # evaluated image by image (see eval_step)
 
     def __init__(self, num_classes: int) -> None:
         self.num_classes = num_classes

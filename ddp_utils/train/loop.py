@@ -205,7 +205,8 @@ def validate(tr: Training, model: nn.Module, prefix: str) -> dict[str, Any]:
     """``prefix/NAME`` of every scalar metric (``accuracy``, ``loss``, ...) of ``model`` on the
     validation set; the full result (vectors too) goes to ``tr.validation[prefix]``."""
     val = evaluate(model, tr.data.val, tr.data.preprocess_eval, tr.rt, tr.task, tr.metrics,
-                   tr.amp, tr.watchdog, skip_bad=skips_bad_images(tr.cfg.data))  # fmt: skip
+                   tr.amp, tr.watchdog, skip_bad=skips_bad_images(tr.cfg.data),
+                   lockstep=tr.strategy.lockstep_eval)  # fmt: skip
     tr.validation[prefix] = val
     numbers = scalars(val)
     if not skips_bad_images(tr.cfg.data):

@@ -206,7 +206,13 @@ def resumed_total_steps(tr: Training, ckpt: dict[str, Any]) -> tuple[int, int]:
 
 
 def restore(tr: Training, ckpt: dict[str, Any]) -> None:
-    tr.strategy.load_model_state_dict(ckpt["model"])
+    if "converted_from" in ckpt:
+        raise ConfigError(
+            f"this checkpoint was converted from {ckpt['converted_from']} for evaluation and "
+            "holds no optimizer state: resume from that folder."
+        )
+    states = tr.strategy.read_states(ckpt, tr.optimizer, tr.ema)
+    tr.strategy.load_model_state_dict(states["model"])
     total, per_epoch = resumed_total_steps(tr, ckpt)
     if total != tr.total_steps:
         # Another world size re-shards the rest of the epoch into another number of steps:
@@ -217,7 +223,7 @@ def restore(tr: Training, ckpt: dict[str, Any]) -> None:
         tr.scheduler = build_scheduler(
             tr.cfg.sched, tr.optimizer, tr.cfg.optim.lr, total, per_epoch
         )
-    tr.strategy.load_optimizer_state_dict(tr.optimizer, ckpt["optimizer"])
+    tr.strategy.load_optimizer_state_dict(tr.optimizer, states["optimizer"])
     # The schedule's length follows this run's config (trainer.epochs may have grown): keep
     # the freshly built scheduler's length, take the rest (its position) from the checkpoint.
     length = {k: v for k, v in tr.scheduler.state_dict().items() if k in SCHEDULE_LENGTH_KEYS}
@@ -228,8 +234,8 @@ def restore(tr: Training, ckpt: dict[str, Any]) -> None:
     tr.samples_seen = ckpt.get("samples_seen", 0)  # 0: a checkpoint from before it was kept
     tr.resumed_trackers = ckpt.get("trackers") or {}
     tr.best, tr.best_ema = resumed_best(ckpt, tr.cfg.task.monitor)
-    if tr.ema is not None and "model_ema" in ckpt:
-        tr.ema.load_state_dict(ckpt["model_ema"])
+    if tr.ema is not None and "model_ema" in states:
+        tr.ema.load_state_dict(states["model_ema"])
     # The epoch's running loss continues from the saved global totals, held by one rank.
     tr.epoch_totals.zero_()
     if tr.rt.is_main:

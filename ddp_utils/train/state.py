@@ -159,6 +159,12 @@ def build_training(cfg: TrainConfig, rt: Runtime, run_dir: Path, callbacks: Any)
     seed_everything(cfg.seed)
     task = build_task(cfg)
     strategy = build_strategy(t, rt)
+    if strategy.lockstep_eval and not task.one_forward_a_batch:
+        raise ConfigError(
+            f"trainer.strategy={t.strategy} runs the evaluation's forwards in step on every "
+            f"rank, which task={cfg.task.name} (a forward an image) cannot keep: train it "
+            "with trainer.strategy=ddp."
+        )
     strategy.wrap(build_model(cfg.model, cfg.data, task.num_outputs()))
     raw_model = strategy.raw_model
     metrics = build_metrics(cfg.task, task, rt.device)
@@ -168,7 +174,7 @@ def build_training(cfg: TrainConfig, rt: Runtime, run_dir: Path, callbacks: Any)
     check_batch_sizes(raw_model, data.train_sampler, cfg.data.batch_size, rt)
     steps_per_epoch = math.ceil(len(data.train) / t.grad_accum_steps)
     total_steps = t.epochs * steps_per_epoch if t.max_steps is None else t.max_steps
-    optimizer = build_optimizer(cfg.optim, raw_model)
+    optimizer = build_optimizer(cfg.optim, raw_model, sharded=strategy.shards_parameters)
     return Training(
         cfg=cfg,
         config_record=as_plain_dict(cfg),

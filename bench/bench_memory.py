@@ -1,0 +1,105 @@
+"""The memory benchmark: `make bench-memory`.
+
+Per rank at world size 2: the bytes of parameters + gradients + optimizer state (AdamW: two
+moments) that the rank holds, its peak resident memory, and the median step time, for
+trainer.strategy=ddp against fsdp2, each also with trainer.activation_checkpointing, on the
+GPT recipes: experiment=lm_char (its shape, on random tokens) and experiment=gpt2_124m's
+12 x 768 GPT (124M parameters) for a few steps with a short window (on a CPU a 1024-token
+window of 12 takes minutes a step). Full precision, no compile. Writes
+bench/results/memory.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+from pathlib import Path
+
+import numpy as np
+from bench_lm import torchrun
+
+ROOT = Path(__file__).resolve().parents[1]
+# recipe -> (its vocabulary, its overrides)
+RECIPES = {
+    "lm_char": (128, ["experiment=lm_char", "trainer.max_steps=30"]),
+    "gpt2_124m": (
+        50304,
+        [
+            "experiment=gpt2_124m",
+            "data.block_size=128",
+            "data.batch_size=1",
+            "data.eval_batch_size=1",
+            "trainer.grad_accum_steps=1",
+            "trainer.max_steps=4",
+        ],
+    ),  # fmt: skip
+}
+VARIANTS = {
+    "ddp": ["trainer.strategy=ddp"],
+    "fsdp2": ["trainer.strategy=fsdp2"],
+    "ddp + AC": ["trainer.strategy=ddp", "trainer.activation_checkpointing=true"],
+    "fsdp2 + AC": ["trainer.strategy=fsdp2", "trainer.activation_checkpointing=true"],
+}
+
+
+def token_folder(root: Path, vocab: int) -> Path:
+    """Random ids: what is measured does not depend on the text."""
+    rng = np.random.default_rng(0)
+    root.mkdir(parents=True, exist_ok=True)
+    rng.integers(0, vocab, 200_000, dtype=np.uint16).tofile(root / "train.bin")
+    rng.integers(0, vocab, 4 * 1024 + 1, dtype=np.uint16).tofile(root / "val.bin")
+    return root
+
+
+def measure(recipe: str, variant: str, tmp: Path) -> dict:
+    run = tmp / f"{recipe}-{variant}".replace(" ", "")
+    probe = tmp / "probe" / run.name
+    os.environ["PYTHONPATH"] = f"{ROOT / 'bench'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    vocab, overrides = RECIPES[recipe]
+    data = token_folder(tmp / f"tokens{vocab}", vocab)
+    torchrun(2, "train.py", *overrides, *VARIANTS[variant], "data=tokens",
+             f"data.root={data}", f"data.vocab_size={vocab}", "trainer.precision=32",
+             "trainer.compile=false", "trainer.val_every_steps=1000000", "logger=none",
+             "trainer.progress=false", f"run_dir={run}",
+             f"callbacks=[{{_target_:memory_probe.MemoryProbe,folder:{probe}}}]")  # fmt: skip
+    ranks = [json.loads((probe / f"rank{r}.json").read_text()) for r in (0, 1)]
+    state = max(sum(r["state_bytes"].values()) for r in ranks)
+    return {"state_MiB": state / 2**20,
+            "peak_rss_MiB": max(r["peak_rss_bytes"] for r in ranks) / 2**20,
+            "step_s": statistics.median(r["step_s"] for r in ranks)}  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--recipes", nargs="*", default=list(RECIPES))
+    p.add_argument("--variants", nargs="*", default=list(VARIANTS))
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "memory.json")
+    args = p.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as t:
+        for recipe in args.recipes:
+            for variant in args.variants:
+                rows.append({"recipe": recipe, "strategy": variant,
+                             **measure(recipe, variant, Path(t))})  # fmt: skip
+                print(rows[-1], flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"rows": rows}, indent=2))
+    print(
+        "\n| recipe | strategy | params + grads + optimizer a rank (MiB) | x ddp | peak RSS a "
+        "rank (MiB) | step (s) |\n| --- | --- | --- | --- | --- | --- |"
+    )
+    for r in rows:
+        base = next(b for b in rows if b["recipe"] == r["recipe"] and b["strategy"] == "ddp")
+        print(
+            f"| {r['recipe']} | {r['strategy']} | {r['state_MiB']:,.1f} | "
+            f"{r['state_MiB'] / base['state_MiB']:.2f} | {r['peak_rss_MiB']:,.0f} | "
+            f"{r['step_s']:.3f} |"
+        )
+    print(f"written to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

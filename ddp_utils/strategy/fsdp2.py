@@ -1,0 +1,142 @@
+"""``trainer.strategy=fsdp2``: each rank holds a shard of every parameter, of its gradient and of
+the optimizer's state (torch's FSDP2, ``fully_shard``), so a model too large for one device
+trains over several. The units (``trainer.fsdp.wrap``, or the model's own blocks) are sharded
+one by one, then the root: a unit's parameters are all-gathered just before its forward (and
+again for its backward with ``trainer.fsdp.reshard_after_forward``), its gradients
+reduce-scattered after its backward.
+
+Checkpoints are torch.distributed.checkpoint folders: every rank writes its own shards and
+nobody gathers the model (``ddp_utils.checkpoint.save_sharded``); a resume at another world
+size reshards them. Every forward is a collective, so evaluation runs in lockstep: a rank
+whose shard ends early repeats its last batch, uncounted, until every rank is done
+(``lockstep_eval``). The EMA is a second sharded copy, updated shard by shard.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+
+from ddp_utils.checkpoint import save_sharded
+from ddp_utils.strategy.base import Strategy, model_units
+
+
+class ShardedEMA:
+    """An EMA of a sharded model: a second model sharded as the first, each rank averaging its
+    own shards (``torch.optim.swa_utils``' EMA, element by element: the same numbers as
+    ``ddp_utils.models.ema.EMA`` on whole tensors)."""
+
+    def __init__(self, twin: nn.Module, decay: float, every_steps: int) -> None:
+        self.module, self.decay, self.every_steps = twin, decay, every_steps
+        self.n_averaged = torch.zeros((), dtype=torch.long)
+        for p in twin.parameters():
+            p.requires_grad_(False)
+
+    @staticmethod
+    def tensors(model: nn.Module) -> Iterator[torch.Tensor]:
+        yield from model.parameters()
+        yield from model.buffers()
+
+    @torch.no_grad()
+    def update(self, model: nn.Module, step: int, in_warmup: bool) -> None:
+        if step % self.every_steps:
+            return
+        for ema, current in zip(self.tensors(self.module), self.tensors(model), strict=True):
+            if self.n_averaged == 0 or not ema.is_floating_point():
+                ema.copy_(current.detach())
+            else:
+                ema.lerp_(current.detach(), 1 - self.decay)
+        self.n_averaged += 1
+        if in_warmup:
+            self.n_averaged.fill_(0)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": get_model_state_dict(self.module), "n_averaged": self.n_averaged.clone()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_model_state_dict(self.module, state["model"])
+        self.n_averaged.copy_(torch.as_tensor(state["n_averaged"]))
+
+
+class FSDP2Strategy(Strategy):
+    lockstep_eval = True
+    shards_parameters = True
+
+    def distribute(self, raw_model: nn.Module) -> nn.Module:
+        # The EMA twin is copied before sharding and sharded the same way, so that its
+        # shards line up with the model's.
+        twin = copy.deepcopy(raw_model) if self.trainer.ema_decay is not None else None
+        self.shard(raw_model)
+        self.ema_twin = self.shard(twin) if twin is not None else None
+        return raw_model
+
+    def shard(self, module: nn.Module) -> nn.Module:
+        opts = self.trainer.fsdp
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.trainer.precision)
+        kwargs = {
+            "reshard_after_forward": opts.reshard_after_forward,
+            # Parameters gathered in the autocast dtype, gradients reduced in fp32.
+            "mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+            if dtype is not None
+            else MixedPrecisionPolicy(),
+            "offload_policy": CPUOffloadPolicy() if opts.cpu_offload else OffloadPolicy(),
+        }
+        for unit in model_units(module, opts.wrap, "trainer.fsdp.wrap"):
+            fully_shard(unit, **kwargs)
+        fully_shard(module, **kwargs)
+        return module
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradients kept unreduced until the accumulation group's last micro-batch."""
+        self.raw_model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.raw_model.set_requires_gradient_sync(True)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        norm = nn.utils.clip_grad_norm_(self.raw_model.parameters(), max_norm)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def make_ema(self, decay: float, every_steps: int) -> ShardedEMA:
+        assert self.ema_twin is not None, "the twin is made when trainer.ema_decay is set"
+        return ShardedEMA(self.ema_twin, decay, every_steps)
+
+    def model_state_dict(self) -> dict[str, Any]:
+        return get_model_state_dict(self.raw_model)
+
+    def load_model_state_dict(self, state: dict[str, Any]) -> None:
+        set_model_state_dict(self.raw_model, state)
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return get_optimizer_state_dict(self.raw_model, optimizer)
+
+    def load_optimizer_state_dict(
+        self, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> None:
+        set_optimizer_state_dict(self.raw_model, optimizer, state)
+
+    def save(
+        self, state: dict[str, Any], ckpt_dir: Path, also: tuple[str, ...], keep_last: int
+    ) -> Path:
+        """Every rank writes its shards of the model, optimizer and EMA into one folder."""
+        return save_sharded(state, ckpt_dir, also, keep_last, self.rt)

@@ -1,0 +1,175 @@
+"""trainer.strategy=fsdp2 with real gloo processes: the same loss curve as ddp on a GPT for 300
+steps and on the tutorial's ConvNet; sharded checkpoints that resume at world sizes 1 and 3
+with exactly the saved model and optimizer state; a SIGKILLed run resumes bit for bit;
+evaluation of the sharded folder is the same at world sizes 1 and 3 and equals training's
+(a language model's loss to 1e-6, as for DDP: fp32 batch sums grouped by the world size)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from callbacks import dump_state, fault
+from conftest import (
+    ROOT,
+    assert_same_params,
+    child_env,
+    free_port,
+    params,
+    read_metrics,
+    run_forked,
+    run_script,
+    whole_checkpoint,
+)
+from lm_data import write_token_folder
+
+VAL_WINDOWS = 121  # a prime number of windows a rank cannot divide: uneven shards
+# 20,000 training tokens: 1,250 windows of 16, 156 steps an epoch at 2 x 4.
+LM = ("experiment=lm_char", "data=tokens", "data.block_size=16", "data.batch_size=4",
+      "data.eval_batch_size=8", "model.n_layer=2", "model.n_head=2", "model.n_embd=32",
+      "trainer.max_steps=300", "trainer.val_every_steps=100", "trainer.ckpt_every_steps=50",
+      "trainer.keep_last=10", "sched.warmup_steps=20", "trainer.precision=32",
+      "trainer.ema_decay=0.99", "trainer.ema_every_steps=4", "logger=none",
+      "trainer.progress=false")  # fmt: skip
+FSDP = "trainer.strategy=fsdp2"
+# fp32 sums in another order (a reduce-scatter of shards against an all-reduce of buckets):
+# the curves agree to this relative tolerance, not bit for bit.
+CURVE_RTOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory):
+    return write_token_folder(tmp_path_factory.mktemp("tokens"), 20000, 16 * VAL_WINDOWS + 1)
+
+
+@pytest.fixture(scope="module")
+def runs(tokens, tmp_path_factory):
+    out = {}
+    for name, extra in (("ddp", ()), ("fsdp2", (FSDP,))):
+        out[name] = tmp_path_factory.mktemp(name)
+        run_script("train.py", *LM, *extra, f"data.root={tokens}", f"run_dir={out[name]}",
+                   nproc=2)  # fmt: skip
+    return out
+
+
+def close(a: float, b: float, rtol: float) -> bool:
+    return abs(a - b) <= rtol * abs(b)
+
+
+def test_fsdp2_follows_ddps_loss_curve_on_a_gpt_for_300_steps(runs):
+    ddp, fsdp = read_metrics(runs["ddp"]), read_metrics(runs["fsdp2"])
+    assert [r["step"] for r in fsdp] == [r["step"] for r in ddp] == [100, 200, 300]
+    for a, b in zip(fsdp, ddp, strict=True):
+        for key in ("train/loss", "val/loss", "val_ema/loss"):
+            assert close(a[key], b[key], CURVE_RTOL), (a["step"], key, a[key], b[key])
+    assert fsdp[-1]["val/loss"] < fsdp[0]["val/loss"]  # it learns
+    folder = runs["fsdp2"] / "checkpoints"
+    assert (folder / "last.dcp").resolve().name == "step_00000300.dcp"
+    assert (folder / "best.dcp" / ".metadata").is_file()
+    assert len(list((folder / "step_00000300.dcp").glob("*.distcp"))) == 2  # a file a rank
+
+
+def test_evaluating_the_sharded_folder_is_the_same_at_world_sizes_1_and_3(runs, tmp_path):
+    ckpt = runs["fsdp2"] / "checkpoints" / "last.dcp"
+    results = {}
+    for n in (None, 3):
+        out = tmp_path / f"eval{n}.json"
+        args = (f"checkpoint={ckpt}", f"output={out}")
+        if n is None:
+            assert run_forked("eval.py", *args).returncode == 0
+        else:
+            run_script("eval.py", *args, nproc=n)
+        results[n] = json.loads(out.read_text())
+    assert results[None]["num_samples"] == results[3]["num_samples"] == VAL_WINDOWS
+    # a language model's loss sums fp32 batches, which the world size groups: the LM suite's
+    # tolerance (tests/test_lm_e2e.py), at any world size and against training's validation
+    assert close(results[None]["loss"], results[3]["loss"], 1e-6)
+    logged = read_metrics(runs["fsdp2"])[-1]["val/loss"]
+    assert close(results[3]["loss"], logged, 1e-6)
+    # the converter's single file gives eval.py the same numbers
+    single = tmp_path / "whole.pt"
+    converted = subprocess.run([sys.executable, "-m", "ddp_utils.checkpoint", str(ckpt),
+                                str(single)], cwd=ROOT, capture_output=True, text=True)  # fmt: skip
+    assert converted.returncode == 0 and "wrote" in converted.stdout, converted.stderr
+    out = tmp_path / "single.json"
+    assert run_forked("eval.py", f"checkpoint={single}", f"output={out}").returncode == 0
+    assert json.loads(out.read_text())["loss"] == results[None]["loss"]
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_a_checkpoint_saved_at_world_size_2_resumes_at_another_with_its_exact_state(
+    runs, tokens, tmp_path, world
+):
+    """The folder of step 200 copied to a new run; its resume at 1 or 3 processes holds the
+    saved model and optimizer state, every tensor equal, then trains on to step 300."""
+    saved = runs["fsdp2"] / "checkpoints" / "step_00000200.dcp"
+    run = tmp_path / "run"
+    shutil.copytree(saved, run / "checkpoints" / saved.name)
+    dump = tmp_path / "loaded.pt"
+    proc = run_script("train.py", *LM, FSDP, f"data.root={tokens}", f"run_dir={run}",
+                      dump_state(dump), nproc=world)  # fmt: skip
+    assert "saved at world size 2" in (run / "train.log").read_text(), proc.stdout
+    loaded, expected = torch.load(dump, weights_only=True), whole_checkpoint(saved)
+    assert_same_params(loaded["model"], expected["model"])
+    for key, state in expected["optimizer"]["state"].items():
+        for name, value in state.items():
+            assert torch.equal(loaded["optimizer"]["state"][key][name], value), (key, name)
+    assert [r["step"] for r in read_metrics(run)] == [300]
+    assert close(read_metrics(run)[-1]["val/loss"], read_metrics(runs["fsdp2"])[-1]["val/loss"],
+                 0.05)  # fmt: skip
+
+
+def test_a_sigkilled_fsdp2_run_resumes_to_the_same_parameters(runs, tokens, tmp_path):
+    proc = run_script("train.py", *LM, FSDP, f"data.root={tokens}", f"run_dir={tmp_path}",
+                      fault("kill", 237, 1), nproc=2, launcher=("--max-restarts=1",))  # fmt: skip
+    assert "failed (exitcode:" in proc.stderr
+    assert "step 200" in (tmp_path / "train.log").read_text()
+    assert_same_params(params(tmp_path), params(runs["fsdp2"]))
+
+
+def test_fsdp2_follows_ddp_on_the_tutorial_convnet(tmp_path):
+    """The embedded digits, the ConvNet with BatchNorm, two epochs at world size 2, with
+    gradient accumulation (no reduce-scatter on the first micro-batch) and clipping."""
+    curves = {}
+    for name, extra in (("ddp", ()), ("fsdp2", (FSDP,))):
+        run = tmp_path / name
+        run_script("train.py", "trainer.epochs=2", "trainer.precision=32", "logger=none",
+                   "trainer.grad_accum_steps=2", "trainer.grad_clip=1.0", f"run_dir={run}",
+                   *extra, nproc=2)  # fmt: skip
+        curves[name] = read_metrics(run)
+    for a, b in zip(curves["fsdp2"], curves["ddp"], strict=True):
+        for key in ("train/loss", "val/loss", "val/accuracy"):
+            assert close(a[key], b[key], CURVE_RTOL), (a["epoch"], key, a[key], b[key])
+
+
+def test_twenty_fsdp2_groups_in_a_row_exit_cleanly(tmp_path):
+    """Two real processes a group (torchrun's variables, rank 0 hosting the store), each
+    sharding, stepping, saving and leaving as train.py does; 20 groups, every exit 0 and no
+    abort at teardown."""
+    for i in range(20):
+        port = free_port()
+        procs = [
+            subprocess.Popen(
+                [sys.executable, str(ROOT / "tests" / "fsdp_teardown.py"), str(tmp_path / str(i))],
+                env=child_env(
+                    RANK=str(r),
+                    LOCAL_RANK=str(r),
+                    WORLD_SIZE="2",
+                    LOCAL_WORLD_SIZE="2",
+                    MASTER_ADDR="127.0.0.1",
+                    MASTER_PORT=str(port),
+                ),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )  # fmt: skip
+            for r in (0, 1)
+        ]
+        for p in procs:
+            _, err = p.communicate(timeout=120)
+            assert p.returncode == 0 and "terminate called" not in err, (i, p.returncode, err)
+        assert (tmp_path / str(i) / "checkpoints" / "step_00000003.dcp" / ".metadata").is_file()
