@@ -1,7 +1,8 @@
 """A callback of `make bench-memory` (never part of the product): after each optimizer step,
 this rank's bytes of parameters, gradients and optimizer state (its shards under fsdp2, whole
-tensors under ddp), its peak resident memory, and the step's wall time; rank by rank into
-``folder/rank<R>.json`` at the end of training.
+tensors under ddp), its peak resident memory up to its last step (the final validation and
+checkpoint left out) and the step's wall time; rank by rank into ``folder/rank<R>.json`` at
+the end of training.
 
 callbacks=[{_target_:memory_probe.MemoryProbe,folder:/tmp/mem}]  (bench/ on PYTHONPATH)
 """
@@ -27,7 +28,7 @@ def local_bytes(t: torch.Tensor) -> int:
 class MemoryProbe(Callback):
     def __init__(self, folder: str) -> None:
         self.folder, self.times, self.state = Path(folder), [], {}
-        self.last = 0.0
+        self.last, self.peak = 0.0, 0
 
     def on_train_start(self, tr) -> None:
         self.last = time.perf_counter()
@@ -39,6 +40,8 @@ class MemoryProbe(Callback):
         params = list(tr.raw_model.parameters())
         optim = [v for s in tr.optimizer.state.values() for v in s.values()
                  if isinstance(v, torch.Tensor) and v.ndim > 0]  # fmt: skip
+        # the peak so far, before the run's last validation and checkpoint (what training needs)
+        self.peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         self.state = {
             "params": sum(local_bytes(p) for p in params),
             # set to None after each step: as large as the parameters they belong to
@@ -50,7 +53,7 @@ class MemoryProbe(Callback):
         self.folder.mkdir(parents=True, exist_ok=True)
         record = {
             "state_bytes": self.state,
-            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "peak_rss_bytes": self.peak,
             "step_s": statistics.median(self.times[1:]) if len(self.times) > 1 else None,
         }
         (self.folder / f"rank{tr.rt.rank}.json").write_text(json.dumps(record))

@@ -7,10 +7,14 @@ evaluation of the sharded folder is the same at world sizes 1 and 3 and equals t
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
+import time
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from callbacks import dump_state, fault
@@ -173,3 +177,74 @@ def test_twenty_fsdp2_groups_in_a_row_exit_cleanly(tmp_path):
             _, err = p.communicate(timeout=120)
             assert p.returncode == 0 and "terminate called" not in err, (i, p.returncode, err)
         assert (tmp_path / str(i) / "checkpoints" / "step_00000003.dcp" / ".metadata").is_file()
+
+
+MEMORY_CGROUP = Path("/sys/fs/cgroup/memory")  # cgroup v1's memory controller
+LIMIT_MIB = 1850  # a rank's memory: under DDP's peak (~2,080 MiB), above fsdp2's (~1,670)
+GPT = ("experiment=gpt2_124m", "model.n_layer=6", "data.block_size=128", "data.batch_size=1",
+       "data.eval_batch_size=1", "data.vocab_size=50304", "trainer.grad_accum_steps=1",
+       "trainer.max_steps=2", "trainer.val_every_steps=2", "trainer.precision=32",
+       "trainer.compile=false", "trainer.timeout_s=60", "logger=none",
+       "trainer.progress=false")  # fmt: skip
+
+
+def memory_cgroup_writable() -> bool:
+    probe = MEMORY_CGROUP / f"ddp_recipes_probe_{os.getpid()}"
+    try:
+        probe.mkdir()
+        probe.rmdir()
+        return True
+    except OSError:
+        return False
+
+
+def run_capped(args: tuple[str, ...], groups: list[Path]) -> list[int]:
+    """Two ranks of train.py, each started inside its own memory cgroup; when one dies the
+    other is stopped (it would wait for its peer until the timeout). Their exit codes."""
+    port = free_port()
+    procs = []
+    for r, group in enumerate(groups):
+        env = child_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
+        procs.append(subprocess.Popen(
+            [sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, env=env,
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            preexec_fn=lambda g=group: (g / "cgroup.procs").write_text(str(os.getpid())),
+        ))  # fmt: skip
+    deadline = time.time() + 300
+    while any(p.poll() is None for p in procs) and time.time() < deadline:
+        if any(p.poll() not in (None, 0) for p in procs):
+            for p in procs:
+                p.kill() if p.poll() is None else None
+        time.sleep(0.2)
+    return [p.wait() for p in procs]
+
+
+@pytest.mark.skipif(not memory_cgroup_writable(), reason="needs a writable cgroup v1 memory "
+                    "controller (root) to cap a process's memory")  # fmt: skip
+def test_a_gpt_over_a_processs_memory_limit_under_ddp_trains_under_fsdp2(tmp_path):
+    """A 6-layer GPT-2 (81M parameters, AdamW: ~1.3 GB of state) with every rank capped at
+    LIMIT_MIB: DDP's rank is killed by the kernel for memory; fsdp2 at world size 2 trains."""
+    rng = np.random.default_rng(0)
+    data = tmp_path / "tokens"
+    data.mkdir()
+    rng.integers(0, 50257, 20_000, dtype=np.uint16).tofile(data / "train.bin")
+    rng.integers(0, 50257, 4 * 128 + 1, dtype=np.uint16).tofile(data / "val.bin")
+    for strategy in ("ddp", "fsdp2"):
+        groups = [MEMORY_CGROUP / f"ddp_recipes_{os.getpid()}_{strategy}{r}" for r in (0, 1)]
+        try:
+            for g in groups:
+                g.mkdir()
+                (g / "memory.limit_in_bytes").write_text(str(LIMIT_MIB << 20))
+            run = tmp_path / strategy
+            args = (*GPT, "data=tokens", f"data.root={data}", f"trainer.strategy={strategy}")
+            codes = run_capped((*args, f"run_dir={run}"), groups)
+            failcnt = [int((g / "memory.failcnt").read_text()) for g in groups]
+        finally:
+            for g in groups:
+                g.rmdir() if g.exists() else None
+        if strategy == "ddp":
+            assert -9 in codes and max(failcnt) > 0, (codes, failcnt)  # the OOM killer
+        else:
+            assert codes == [0, 0], codes
+            assert [r["step"] for r in read_metrics(run)] == [2]

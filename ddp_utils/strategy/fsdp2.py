@@ -15,6 +15,7 @@ whose shard ends early repeats its last batch, uncounted, until every rank is do
 from __future__ import annotations
 
 import copy
+import ctypes
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -76,11 +77,26 @@ class ShardedEMA:
         self.n_averaged.copy_(torch.as_tensor(state["n_averaged"]))
 
 
+def fixed_mmap_threshold(nbytes: int = 1 << 20) -> None:
+    """On a CPU (glibc), allocate blocks from ``nbytes`` up with mmap and give them back when
+    freed. glibc otherwise raises its mmap threshold after each large free, so the unit-sized
+    buffers FSDP2 all-gathers and frees every forward and backward end up in the heap, which
+    is not returned: measured here on the 124M GPT at world size 2, the resident memory after
+    three steps was 2,785 MiB a rank (more than DDP's 2,780) and 1,487 MiB with this."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: nothing to set
+        return
+    libc.mallopt(-3, nbytes)  # M_MMAP_THRESHOLD: fixed, which also stops its adjustment
+
+
 class FSDP2Strategy(Strategy):
     lockstep_eval = True
     shards_parameters = True
 
     def distribute(self, raw_model: nn.Module) -> nn.Module:
+        if self.rt.device.type == "cpu":
+            fixed_mmap_threshold()
         # The EMA twin is copied before sharding and sharded the same way, so that its
         # shards line up with the model's.
         twin = copy.deepcopy(raw_model) if self.trainer.ema_decay is not None else None
