@@ -341,11 +341,13 @@ def compose_config(*overrides: str, name: str = "train"):
     return to_schema(cfg, EvalConfig if name == "eval" else TrainConfig)
 
 
-def eval_at_world_sizes(checkpoint: Path, out_dir: Path) -> dict[int | None, dict]:
+def eval_at_world_sizes(
+    checkpoint: Path, out_dir: Path, worlds: tuple[int | None, ...] = (None, 2, 3)
+) -> dict[int | None, dict]:
     """eval.py's results for ``checkpoint`` in one process (a fork: None), and under torchrun
-    at 2 and 3 processes."""
+    at each other world size of ``worlds``."""
     results = {}
-    for n in (None, 2, 3):
+    for n in worlds:
         out = out_dir / f"eval{n}.json"
         args = (f"checkpoint={checkpoint}", f"output={out}")
         if n is None:

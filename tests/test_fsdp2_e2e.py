@@ -22,6 +22,7 @@ from conftest import (
     ROOT,
     assert_same_params,
     child_env,
+    eval_at_world_sizes,
     free_port,
     params,
     read_metrics,
@@ -79,15 +80,7 @@ def test_fsdp2_follows_ddps_loss_curve_on_a_gpt_for_300_steps(runs):
 
 def test_evaluating_the_sharded_folder_is_the_same_at_world_sizes_1_and_3(runs, tmp_path):
     ckpt = runs["fsdp2"] / "checkpoints" / "last.dcp"
-    results = {}
-    for n in (None, 3):
-        out = tmp_path / f"eval{n}.json"
-        args = (f"checkpoint={ckpt}", f"output={out}")
-        if n is None:
-            assert run_forked("eval.py", *args).returncode == 0
-        else:
-            run_script("eval.py", *args, nproc=n)
-        results[n] = json.loads(out.read_text())
+    results = eval_at_world_sizes(ckpt, tmp_path, (None, 3))
     assert results[None]["num_samples"] == results[3]["num_samples"] == VAL_WINDOWS
     # a language model's loss sums fp32 batches, which the world size groups: the LM suite's
     # tolerance (tests/test_lm_e2e.py), at any world size and against training's validation

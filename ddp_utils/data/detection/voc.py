@@ -22,23 +22,11 @@ from typing import Any
 from PIL import Image
 from torchvision.datasets import VOCDetection
 
-from ddp_utils.config import ConfigError, VOCDetData
+from ddp_utils.config import VOCDetData
 from ddp_utils.data.detection.boxes import Annotated, BoxFiles, check_xyxy, fail
+from ddp_utils.data.voc import open_voc
 
 CORNERS = ("xmin", "ymin", "xmax", "ymax")
-
-
-def voc_listing(cfg: VOCDetData, image_set: str) -> VOCDetection:
-    try:
-        return VOCDetection(cfg.root, year=cfg.year, image_set=image_set, download=False)
-    except (RuntimeError, OSError, ValueError) as e:
-        # torchvision suggests download=True, which no data option offers here.
-        reason = str(e).split(" You can use download=True")[0].strip().rstrip(".")
-        raise ConfigError(
-            f"data=voc_det: no Pascal VOC {cfg.year} under data.root={cfg.root} ({reason}). "
-            f"It is never downloaded here: point data.root at the folder that holds "
-            f"VOCdevkit/VOC{cfg.year}/ (JPEGImages, Annotations, ImageSets/Main/{image_set}.txt)."
-        ) from None
 
 
 def read_annotation(xml: Path) -> dict[str, Any]:
@@ -102,7 +90,9 @@ class VOCSource(BoxFiles):
     """One image set of a VOC folder."""
 
     def __init__(self, cfg: VOCDetData, split: str) -> None:
-        voc = voc_listing(cfg, cfg.train_set if split == "train" else cfg.val_set)
+        image_set = cfg.train_set if split == "train" else cfg.val_set
+        contents = f"JPEGImages, Annotations, ImageSets/Main/{image_set}.txt"
+        voc = open_voc(VOCDetection, cfg, image_set, contents)
         labels = {name: k + 1 for k, name in enumerate(cfg.classes)}
         items = [read_image(Path(image), Path(xml), labels, cfg.keep_difficult)
                  for image, xml in zip(voc.images, voc.annotations, strict=True)]  # fmt: skip

@@ -30,6 +30,7 @@ from ddp_utils.data.imagefolder import (
     is_image,
     unreadable_reason,
 )
+from ddp_utils.data.voc import open_voc
 from ddp_utils.dist import Runtime
 from ddp_utils.run import log
 
@@ -186,17 +187,8 @@ def voc_index(cfg: SegmentationData, split: str, rt: Runtime) -> PairIndex:
     def locate():
         from torchvision.datasets import VOCSegmentation
 
-        try:
-            voc = VOCSegmentation(cfg.root, year=cfg.year, image_set=image_set, download=False)
-        except (RuntimeError, OSError, ValueError) as e:
-            # torchvision suggests download=True, which no data option offers here.
-            reason = str(e).split(" You can use download=True")[0].strip().rstrip(".")
-            raise ConfigError(
-                f"data=voc: no Pascal VOC {cfg.year} under data.root={cfg.root} ({reason}). It is "
-                f"never downloaded here: point data.root at the folder that holds "
-                f"VOCdevkit/VOC{cfg.year}/ (JPEGImages, SegmentationClass, "
-                f"ImageSets/Segmentation/{image_set}.txt)."
-            ) from None
+        contents = f"JPEGImages, SegmentationClass, ImageSets/Segmentation/{image_set}.txt"
+        voc = open_voc(VOCSegmentation, cfg, image_set, contents)
         folder = Path(voc.images[0]).parent.parent if voc.images else Path(cfg.root)
         pairs = [(os.path.relpath(i, folder), os.path.relpath(m, folder))
                  for i, m in zip(voc.images, voc.masks, strict=True)]  # fmt: skip
