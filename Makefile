@@ -7,7 +7,7 @@ NPROC  ?= 2
 ARGS   ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install train test test-fast docs lint format clean bench bench-gpu bench-data bench-seg bench-det bench-memory bench-peer bench-profile bench-lm bench-nanogpt recipes
+.PHONY: help install train test test-fast docs lint format clean bench bench-gpu bench-data bench-seg bench-det bench-memory bench-comm bench-peer bench-profile bench-lm bench-nanogpt recipes
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -59,6 +59,9 @@ bench-det: $(STAMP)  ## detection: images/s of experiment=digits_detection vs a 
 
 bench-memory: $(STAMP)  ## memory a rank: ddp vs fsdp2 (and activation checkpointing) at world size 2 on the GPT recipes (~10 min)
 	$(BIN)/python bench/bench_memory.py $(ARGS)
+
+bench-comm: $(STAMP)  ## DDP's gradient compression hooks (trainer.ddp.comm_hook): bytes a step and tokens/s on lm_char (~4 min)
+	$(BIN)/python bench/bench_comm.py $(ARGS)
 
 bench-lm: $(STAMP)  ## language model: tokens/s of experiment=lm_char vs a plain DDP loop (~5 min)
 	$(BIN)/python bench/bench_lm.py $(ARGS)

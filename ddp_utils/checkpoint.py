@@ -1,12 +1,11 @@
 """The checkpoint format, in one place: written atomically (``step_<N>.pt``, ``last.pt`` and
 ``best.pt`` published from it), loaded safely (weights only, a torn file named), and turned
-back into a model for eval.py and generate.py (``inference_model``).
-
-A training checkpoint is a dict of plain tensors and containers: ``model``, ``optimizer``,
-``scheduler``, ``scaler``, ``epoch``, ``step``, ``sample_offset``, ``epoch_totals``,
-``sampler``, ``rng`` (every rank's), ``best``, ``best_ema``, ``model_ema`` (with EMA),
-``world_size``, ``classes``, ``samples_seen``, ``trackers``, ``config`` (the run's whole
-config), and what the data adds for inference (``tokenizer``).
+back into a model for eval.py and generate.py (``inference_model``). A training checkpoint is a
+dict of plain tensors and containers: ``model``, ``optimizer``, ``scheduler``, ``scaler``,
+``strategy`` (its own state: PowerSGD's), ``epoch``, ``step``, ``sample_offset``,
+``epoch_totals``, ``sampler``, ``rng`` (every rank's), ``best``, ``best_ema``, ``model_ema``
+(with EMA), ``world_size``, ``classes``, ``samples_seen``, ``trackers``, ``config`` (the run's
+whole config), and what the data adds for inference (``tokenizer``).
 
 A sharded checkpoint (``trainer.strategy=fsdp2``) is a folder ``step_<N>.dcp/`` written by
 every rank with torch.distributed.checkpoint: ``model``, ``optimizer`` and ``model_ema`` as
@@ -123,12 +122,21 @@ def save_sharded(
     tmp = ckpt_dir / f".{path.name}.tmp"
     write_on_main(ckpt_dir.parent, rt, lambda: (remove(tmp), tmp.mkdir(parents=True)))
     shards = {k: state[k] for k in SHARDED_KEYS if k in state}
-    with writing_into(ckpt_dir.parent):
-        dcp.save(shards, checkpoint_id=tmp)  # every rank its own file; raises on every rank
+    try:
+        with writing_into(ckpt_dir.parent):
+            dcp.save(shards, checkpoint_id=tmp)  # every rank its own file; raises on every rank
+    except BaseException:
+        if rt.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)  # nothing partial left behind
+        raise
 
     def publish_folder() -> None:
         plain = {k: v for k, v in state.items() if k not in shards}
-        atomic_save(plain | {"sharded": sorted(shards)}, tmp / META)
+        try:
+            atomic_save(plain | {"sharded": sorted(shards)}, tmp / META)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         remove(path)
         os.replace(tmp, path)
         link(path, ckpt_dir / f"last{SHARDED_SUFFIX}")

@@ -42,6 +42,10 @@ def unwritable_cause(e: BaseException) -> OSError | None:
         seen.add(id(cause))
         if isinstance(cause, OSError) and cause.errno in UNWRITABLE:
             return cause
+        # torch.distributed.checkpoint gathers every rank's failure into one exception
+        for failure in (getattr(cause, "failures", None) or {}).values():
+            if isinstance(failure, BaseException) and (found := unwritable_cause(failure)):
+                return found
         cause = cause.__cause__ or cause.__context__
     return None
 
@@ -59,8 +63,9 @@ def unwritable(e: OSError, run_dir: Path, key: str = "run_dir") -> UnwritableErr
                f"or write to a larger disk with {key}=PATH")  # fmt: skip
     else:
         fix = f"Make the folder writable again, or write elsewhere with {key}=PATH"
-    last = run_dir / "checkpoints" / "last.pt"
-    resumes = key == "run_dir" and last.is_file()
+    lasts = [run_dir / "checkpoints" / name for name in ("last.pt", "last.dcp")]
+    last = next((p for p in lasts if p.exists()), lasts[0])  # a file, or a sharded folder
+    resumes = key == "run_dir" and last.exists()
     again = f"; relaunching continues from the last good checkpoint, {last}" if resumes else ""
     return UnwritableError(
         f"cannot write {e.filename or run_dir} ({e.strerror or e}): {key}={run_dir} has "

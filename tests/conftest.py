@@ -278,7 +278,8 @@ def wait_for_step_checkpoint(
     into ``run_dir``."""
     deadline = time.time() + timeout
     while time.time() < deadline and proc.poll() is None:
-        steps = [int(p.stem[5:]) for p in (run_dir / "checkpoints").glob("step_*.pt")]
+        steps = [int(p.stem[5:]) for p in (run_dir / "checkpoints").glob("step_*")
+                 if p.suffix in (".pt", ".dcp")]  # fmt: skip
         if any(s > after for s in steps):
             return
         time.sleep(0.02)

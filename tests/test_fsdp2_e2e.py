@@ -2,13 +2,15 @@
 steps and on the tutorial's ConvNet; sharded checkpoints that resume at world sizes 1 and 3
 with exactly the saved model and optimizer state; a SIGKILLed run resumes bit for bit;
 evaluation of the sharded folder is the same at world sizes 1 and 3 and equals training's
-(a language model's loss to 1e-6, as for DDP: fp32 batch sums grouped by the world size)."""
+(a language model's loss to 1e-6, as for DDP: fp32 batch sums grouped by the world size), and
+generate.py reads it as it reads the converted single file."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -17,20 +19,27 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from callbacks import dump_state, fault
+from callbacks import dump_state, fault, fill_disk
 from conftest import (
     ROOT,
     assert_same_params,
     child_env,
     eval_at_world_sizes,
     free_port,
+    our_error_lines,
     params,
     read_metrics,
     run_forked,
     run_script,
+    start_script,
+    tmpfs,
+    wait_for_step_checkpoint,
     whole_checkpoint,
 )
 from lm_data import write_token_folder
+
+from ddp_utils.files import WRITE_FAILED_EXIT
+from ddp_utils.preemption import PREEMPTED_EXIT
 
 VAL_WINDOWS = 121  # a prime number of windows a rank cannot divide: uneven shards
 # 20,000 training tokens: 1,250 windows of 16, 156 steps an epoch at 2 x 4.
@@ -95,6 +104,11 @@ def test_evaluating_the_sharded_folder_is_the_same_at_world_sizes_1_and_3(runs, 
     out = tmp_path / "single.json"
     assert run_forked("eval.py", f"checkpoint={single}", f"output={out}").returncode == 0
     assert json.loads(out.read_text())["loss"] == results[None]["loss"]
+    # generate.py reads the folder and the single file alike: the same text for a seed
+    args = ("prompt='the '", "max_new_tokens=20", "num_samples=1", "seed=0")
+    texts = [run_forked("generate.py", f"checkpoint={c}", *args) for c in (ckpt, single)]
+    assert all(p.returncode == 0 for p in texts), texts[0].stderr
+    assert texts[0].stdout == texts[1].stdout and "the " in texts[0].stdout
 
 
 @pytest.mark.parametrize("world", [1, 3])
@@ -241,3 +255,87 @@ def test_a_gpt_over_a_processs_memory_limit_under_ddp_trains_under_fsdp2(tmp_pat
         else:
             assert codes == [0, 0], codes
             assert [r["step"] for r in read_metrics(run)] == [2]
+
+
+def _stop_step(log: str, signame: str) -> int:
+    return int(log.split(f"stopped by {signame} at step ")[1].split(":")[0])
+
+
+def test_sigterm_saves_its_step_the_lock_holds_and_the_run_resumes_exactly(runs, tokens, tmp_path):
+    """SIGTERM to torchrun's agent mid-run: every rank writes its shards of the stop step and
+    the job exits as preempted; meanwhile a second launch on the run_dir is refused by the
+    lock; the same command then finishes with the uninterrupted run's parameters."""
+    args = (*LM, FSDP, f"data.root={tokens}", f"run_dir={tmp_path}")
+    proc = start_script("train.py", *args, nproc=2)
+    wait_for_step_checkpoint(tmp_path, proc)
+    second = run_forked("train.py", *args)
+    assert second.returncode == 2 and f"run_dir={tmp_path} is in use" in second.stderr
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=90)
+    log = (tmp_path / "train.log").read_text()
+    assert f"exiting with code {PREEMPTED_EXIT}" in log, out + err
+    stop = _stop_step(log, "SIGTERM")
+    saved = torch.load(tmp_path / "checkpoints" / "last.dcp" / "meta.pt", weights_only=True)
+    assert saved["step"] == stop < 300
+    run_script("train.py", *args, nproc=2)
+    assert_same_params(params(tmp_path), params(runs["fsdp2"]))
+
+
+def test_a_full_disk_in_a_sharded_save_stops_every_rank_and_resumes_exactly(runs, tokens, tmp_path):
+    """The disk filled at step 120 (a few KiB left): step 150's shards run out of space on
+    their way; every rank stops with the one paragraph and exit code 4, no partial folder is
+    left, and the run resumes from step 100's folder to the uninterrupted run's end."""
+    with tmpfs(tmp_path / "disk", "8m") as disk:
+        run = disk / "run"
+        args = (*LM, FSDP, f"data.root={tokens}", f"run_dir={run}")
+        proc = run_script("train.py", *args, fill_disk(120, leave=8192), nproc=2, check=False)
+        assert f"exitcode: {WRITE_FAILED_EXIT}" in proc.stderr, proc.stderr[-4000:]
+        ours = our_error_lines(proc.stderr)
+        assert len(ours) == 1 and "No space left on device" in ours[0], proc.stderr[-4000:]
+        assert f"{run}/checkpoints/last.dcp" in ours[0]
+        assert not list(run.rglob("*.tmp")), list(run.rglob("*"))
+        assert (run / "checkpoints" / "last.dcp").resolve().name == "step_00000100.dcp"
+        (disk / "filler").unlink()
+        run_script("train.py", *args, "trainer.keep_last=1", nproc=2)
+        assert_same_params(params(run), params(runs["fsdp2"]))
+
+
+def test_an_optuna_sweep_in_process_under_fsdp2(tmp_path):
+    """Two trials in one torchrun job (every rank in rank 0's trial), each its own sharded
+    model and checkpoints; the objective is each trial's best val/accuracy."""
+    pytest.importorskip("optuna")
+    sweep = tmp_path / "sweep"
+    run_script("train.py", "-m", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=2",
+               "hydra.sweeper.sampler={_target_:optuna.samplers.GridSampler,seed:0,"
+               "search_space:{optim.lr:[0.05,0.1]}}",
+               "hydra.sweeper.params={optim.lr:'choice(0.05,0.1)'}", FSDP, "trainer.epochs=1",
+               "trainer.precision=32", "logger=none", "trainer.progress=false",
+               f"hydra.sweep.dir={sweep}", nproc=2, timeout=600)  # fmt: skip
+    trials = json.loads((sweep / "optuna_study.json").read_text())["trials"]
+    assert sorted(t["params"]["optim.lr"] for t in trials) == [0.05, 0.1]
+    for t in trials:
+        job = sweep / str(t["number"])
+        assert t["state"] == "COMPLETE"
+        assert t["value"] == max(r["val/accuracy"] for r in read_metrics(job))
+        assert (job / "checkpoints" / "last.dcp" / ".metadata").is_file()
+
+
+@pytest.mark.parametrize("hook", ["fp16", "bf16", "powersgd"])
+def test_ddps_compression_hooks_train_and_a_powersgd_run_resumes_exactly(hook, tmp_path):
+    """Each of torch's hooks trains the ConvNet at world size 2 near the fp32 all-reduce's
+    accuracy; PowerSGD's error feedback is checkpointed, so a SIGKILLed run resumes to the
+    uninterrupted run's parameters, bit for bit."""
+    args = ("trainer.epochs=2", "trainer.precision=32", "logger=none", "trainer.progress=false",
+            f"trainer.ddp.comm_hook={hook}", "trainer.ddp.powersgd_start_iter=4",
+            "trainer.ckpt_every_steps=5")  # fmt: skip
+    run = tmp_path / "run"
+    run_script("train.py", *args, f"run_dir={run}", nproc=2)
+    assert read_metrics(run)[-1]["val/accuracy"] > 0.9
+    if hook == "powersgd":
+        saved = torch.load(run / "checkpoints" / "last.pt", weights_only=True)["strategy"]
+        assert len(saved["powersgd"]) == 2 and saved["powersgd"][0]["iter"] > 4
+        killed = tmp_path / "killed"
+        run_script("train.py", *args, f"run_dir={killed}", fault("kill", 13, 1), nproc=2,
+                   launcher=("--max-restarts=1",))  # fmt: skip
+        assert "step 10" in (killed / "train.log").read_text()
+        assert_same_params(params(killed), params(run))

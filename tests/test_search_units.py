@@ -117,6 +117,23 @@ def test_a_continued_seeded_study_draws_new_parameters(tmp_path, sampler):
     assert [t.params for t in again] == [t.params for t in trials]
 
 
+@pytest.mark.parametrize("n_trials", [2, 3])
+def test_a_grid_told_its_last_point_ends_the_search_with_every_trial_recorded(n_trials):
+    """optuna's GridSampler stops the study at its last grid point (Study.stop, which raises
+    outside optimize()): under torchrun rank 0 raised alone there and the other ranks waited
+    for it until the timeout. The trial counts, and no trial is asked after it."""
+    space, _ = search_space({"optim.lr": "choice(0.01, 0.02)"}, [])
+    grid = {"_target_": "optuna.samplers.GridSampler", "seed": 0,
+            "search_space": {"optim.lr": [0.01, 0.02]}}  # fmt: skip
+    search = Search(sweeper(None, n_trials=n_trials, sampler=grid), space, "maximize", "t")
+    told = []
+    while asks := search.ask(None):
+        told += [search.tell(a, True, a.params["optim.lr"], None) for a in asks]
+    assert sorted(t["params"]["optim.lr"] for t in told) == [0.01, 0.02]
+    assert [t["state"] for t in told] == ["COMPLETE", "COMPLETE"]
+    assert search.report()["best_trial"]["params"] == {"optim.lr": 0.02}
+
+
 def test_a_bad_storage_or_sampler_is_one_paragraph(tmp_path):
     space, _ = search_space({"optim.lr": "interval(0.01, 0.1)"}, [])
     with pytest.raises(ConfigError, match=r"hydra.sweeper.storage=nosuch://x: Optuna could not"):

@@ -155,6 +155,7 @@ class Search:
                  direction: str, default_name: str, custom: Any = None) -> None:  # fmt: skip
         self.space, self.n_trials = space, int(sweeper.get("n_trials") or 0)
         self.batch = max(1, int(sweeper.get("n_jobs") or 1))
+        self.exhausted = False  # the sampler has no trial left to give (a finished grid)
         self.storage = sweeper.get("storage")
         self.custom = get_method(custom) if custom else None
         if self.n_trials < 1:
@@ -227,7 +228,7 @@ class Search:
 
     def ask(self, config: Any) -> list[Ask]:
         """The next batch (``n_jobs`` trials, fewer at the end; none when done)."""
-        n = min(self.batch, self.n_trials - self.counted())
+        n = 0 if self.exhausted else min(self.batch, self.n_trials - self.counted())
         asks = []
         for _ in range(max(n, 0)):
             if self.retries:
@@ -259,7 +260,15 @@ class Search:
             error = error or f"the objective was {value!r}, not a finite number"
         if error:
             self.study._storage.set_trial_user_attr(trial._trial_id, "error", error[:500])
-        self.study.tell(ask.number, told, state=trial_state)
+        try:
+            self.study.tell(ask.number, told, state=trial_state)
+        except RuntimeError as e:
+            # GridSampler asks the study to stop once its last grid point is told (Study.stop),
+            # which optuna allows only inside optimize(): the trial is recorded all the same,
+            # and there is no trial left to ask for.
+            if "Study.stop" not in str(e):
+                raise
+            self.exhausted = True
         return {"trial": ask.number, "state": trial_state.name, "value": told,
                 "params": ask.params, "direction": self.study.direction.name.lower()}  # fmt: skip
 
