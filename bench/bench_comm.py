@@ -20,7 +20,7 @@ from pathlib import Path
 from bench_lm import torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
-HOOKS = ["null", "fp16", "bf16", "powersgd"]
+HOOKS = ["null", "fp16", "bf16"]
 
 
 def measure(hook: str, steps: int, tmp: Path) -> dict:

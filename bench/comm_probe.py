@@ -1,7 +1,6 @@
 """A callback of `make bench-comm` (never part of the product): at the end of training, rank
 0 writes the gradient bytes one optimizer step all-reduces under ``trainer.ddp.comm_hook``
-(fp32: 4 a value; fp16 and bf16: 2; PowerSGD: 4 over its compression rate, from torch's own
-count) into ``path``.
+(fp32: 4 a value; fp16 and bf16: 2) into ``path``.
 
 callbacks=[{_target_:comm_probe.CommProbe,path:/tmp/comm.json}]  (bench/ on PYTHONPATH)
 """
@@ -22,10 +21,6 @@ class CommProbe(Callback):
         if not tr.rt.is_main:
             return
         numel = sum(p.numel() for p in tr.raw_model.parameters() if p.requires_grad)
-        hook, state = tr.cfg.trainer.ddp.comm_hook, tr.strategy.hook_state
-        if hook == "powersgd":
-            rate = state.compression_stats()[0]
-            per_value = 4 / rate
-        else:
-            rate, per_value = (2.0, 2) if hook in ("fp16", "bf16") else (1.0, 4)
+        hook = tr.cfg.trainer.ddp.comm_hook
+        rate, per_value = (2.0, 2) if hook in ("fp16", "bf16") else (1.0, 4)
         self.path.write_text(json.dumps({"bytes_per_step": numel * per_value, "rate": rate}))

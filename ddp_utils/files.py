@@ -44,6 +44,7 @@ def unwritable_cause(e: BaseException) -> OSError | None:
             return cause
         # torch.distributed.checkpoint gathers every rank's failure into one exception
         for failure in (getattr(cause, "failures", None) or {}).values():
+            failure = failure[0] if isinstance(failure, tuple) else failure  # (error, traceback)
             if isinstance(failure, BaseException) and (found := unwritable_cause(failure)):
                 return found
         cause = cause.__cause__ or cause.__context__
@@ -79,7 +80,7 @@ def writing_into(folder: Path, key: str = "run_dir") -> Iterator[None]:
     permission, whatever the writer raised, become the one ``UnwritableError`` paragraph."""
     try:
         yield
-    except Exception as e:
+    except BaseException as e:  # torch.distributed.checkpoint's CheckpointException is one
         cause = unwritable_cause(e)
         if cause is None:
             raise

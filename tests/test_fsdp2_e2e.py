@@ -7,7 +7,7 @@ evaluation of the sharded folder is the same at world sizes 1 and 3 and equals t
 (a language model's loss to 1e-6, as for DDP: fp32 batch sums grouped by the world size),
 and generate.py reads it as it reads the converted single file; 20 groups in a row exit
 cleanly; a GPT over a per-process memory cap trains under fsdp2 and not under ddp. Beside
-them, DDP's compression hooks, PowerSGD's state resumed exactly."""
+them, DDP's fp16 and bf16 compression hooks, resumed exactly."""
 
 from __future__ import annotations
 
@@ -324,22 +324,24 @@ def test_an_optuna_sweep_in_process_under_fsdp2(tmp_path):
         assert (job / "checkpoints" / "last.dcp" / ".metadata").is_file()
 
 
-@pytest.mark.parametrize("hook", ["fp16", "bf16", "powersgd"])
-def test_ddps_compression_hooks_train_and_a_powersgd_run_resumes_exactly(hook, tmp_path):
-    """Each of torch's hooks trains the ConvNet at world size 2 near the fp32 all-reduce's
-    accuracy; PowerSGD's error feedback is checkpointed, so a SIGKILLed run resumes to the
-    uninterrupted run's parameters, bit for bit."""
-    args = ("trainer.epochs=2", "trainer.precision=32", "logger=none", "trainer.progress=false",
-            f"trainer.ddp.comm_hook={hook}", "trainer.ddp.powersgd_start_iter=4",
-            "trainer.ckpt_every_steps=5")  # fmt: skip
-    run = tmp_path / "run"
-    run_script("train.py", *args, f"run_dir={run}", nproc=2)
-    assert read_metrics(run)[-1]["val/accuracy"] > 0.9
-    if hook == "powersgd":
-        saved = torch.load(run / "checkpoints" / "last.pt", weights_only=True)["strategy"]
-        assert len(saved["powersgd"]) == 2 and saved["powersgd"][0]["iter"] > 4
-        killed = tmp_path / "killed"
-        run_script("train.py", *args, f"run_dir={killed}", fault("kill", 13, 1), nproc=2,
-                   launcher=("--max-restarts=1",))  # fmt: skip
-        assert "step 10" in (killed / "train.log").read_text()
-        assert_same_params(params(killed), params(run))
+HOOKED = ("trainer.epochs=2", "trainer.precision=32", "logger=none", "trainer.progress=false",
+          "trainer.ckpt_every_steps=5")  # fmt: skip
+
+
+def test_ddps_compression_hooks_train_as_the_fp32_all_reduce_and_resume_exactly(tmp_path):
+    """fp16 and bf16 gradients (each bucket all-reduced in half the bytes) train the ConvNet
+    at world size 2 to the fp32 all-reduce's accuracy within 2 points; the hooks keep no
+    state, so a SIGKILLed run resumes to the uninterrupted run's parameters, bit for bit."""
+    plain = tmp_path / "plain"
+    run_script("train.py", *HOOKED, f"run_dir={plain}", nproc=2)
+    for hook in ("fp16", "bf16"):
+        run = tmp_path / hook
+        run_script("train.py", *HOOKED, f"trainer.ddp.comm_hook={hook}", f"run_dir={run}",
+                   nproc=2)  # fmt: skip
+        accuracy = read_metrics(run)[-1]["val/accuracy"]
+        assert abs(accuracy - read_metrics(plain)[-1]["val/accuracy"]) < 0.02, (hook, accuracy)
+    killed = tmp_path / "killed"
+    run_script("train.py", *HOOKED, "trainer.ddp.comm_hook=bf16", f"run_dir={killed}",
+               fault("kill", 13, 1), nproc=2, launcher=("--max-restarts=1",))  # fmt: skip
+    assert "step 10" in (killed / "train.log").read_text()
+    assert_same_params(params(killed), params(tmp_path / "bf16"))

@@ -129,12 +129,6 @@ class Strategy:
 
     # What a checkpoint holds of the model and optimizer, and how it is written. Every rank
     # calls each of these.
-    def state_dict(self) -> dict[str, Any]:
-        """The strategy's own state a resume needs (a compression hook's), plain tensors."""
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any], world_size: int) -> None:
-        """Restore ``state_dict()``'s, saved at ``world_size``."""
 
     def read_states(
         self, ckpt: dict[str, Any], optimizer: torch.optim.Optimizer, ema: EMA | None
