@@ -43,6 +43,14 @@ def bench_result(stdout: str) -> dict:
     return json.loads(line[len("BENCH ") :])
 
 
+def save_rows(path: Path, rows: list[dict], header: str) -> None:
+    """A benchmark's rows as JSON at ``path``; then the Markdown table's ``header`` (its
+    column names and rule), whose rows the caller prints."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"rows": rows}, indent=2))
+    print("\n" + header)
+
+
 def bare_import_s() -> float:
     start = time.perf_counter()
     subprocess.run([sys.executable, "-c", IMPORTS], check=True, env=env())

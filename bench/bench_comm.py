@@ -19,6 +19,8 @@ from pathlib import Path
 
 from bench_lm import torchrun
 
+from bench import save_rows
+
 ROOT = Path(__file__).resolve().parents[1]
 HOOKS = ["null", "fp16", "bf16"]
 
@@ -43,12 +45,8 @@ def main() -> None:
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as t:
         rows = [measure(h, args.steps, Path(t)) for h in HOOKS]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"rows": rows}, indent=2))
-    print(
-        "\n| comm_hook | gradient KiB a step | x fp32 | tokens/s | val/loss |\n"
-        "| --- | --- | --- | --- | --- |"
-    )
+    save_rows(args.out, rows, "| comm_hook | gradient KiB a step | x fp32 | tokens/s | "
+              "val/loss |\n| --- | --- | --- | --- | --- |")  # fmt: skip
     for r in rows:
         print(
             f"| {r['hook']} | {r['bytes_per_step'] / 1024:,.0f} | {1 / r['rate']:.3f} | "

@@ -21,6 +21,8 @@ from pathlib import Path
 import numpy as np
 from bench_lm import torchrun
 
+from bench import save_rows
+
 ROOT = Path(__file__).resolve().parents[1]
 # recipe -> (its vocabulary, its overrides)
 RECIPES = {
@@ -85,12 +87,9 @@ def main() -> None:
                 rows.append({"recipe": recipe, "strategy": variant,
                              **measure(recipe, variant, Path(t))})  # fmt: skip
                 print(rows[-1], flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"rows": rows}, indent=2))
-    print(
-        "\n| recipe | strategy | params + grads + optimizer a rank (MiB) | x ddp | peak RSS a "
-        "rank (MiB) | step (s) |\n| --- | --- | --- | --- | --- | --- |"
-    )
+    header = ("| recipe | strategy | params + grads + optimizer a rank (MiB) | x ddp | peak RSS "
+              "a rank (MiB) | step (s) |\n| --- | --- | --- | --- | --- | --- |")  # fmt: skip
+    save_rows(args.out, rows, header)
     for r in rows:
         base = next(b for b in rows if b["recipe"] == r["recipe"] and b["strategy"] == "ddp")
         print(
