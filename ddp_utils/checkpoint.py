@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,11 @@ from ddp_utils.run import write_on_main
 
 def publish(src: Path, dst: Path, copy: bool = False) -> None:
     """Make ``dst`` hold the same complete file as ``src``, atomically: a hard link (the same
-    file), or with ``copy`` (or where the filesystem has no links) a file of its own."""
+    file), or with ``copy`` (or where the filesystem has no links) a file of its own. A
+    sharded checkpoint's folder gets a symbolic link, or a copied folder swapped in."""
+    if src.is_dir():
+        (copy_folder if copy else link)(src, dst)
+        return
     if copy:
         with open(src, "rb") as f:
             atomic_write(dst, lambda out: shutil.copyfileobj(f, out, 1 << 22))
@@ -79,14 +84,21 @@ def save_training_checkpoint(
 
     def write() -> None:
         atomic_save(state, path)
-        publish(path, ckpt_dir / "last.pt")
-        for name in also:
-            publish(path, ckpt_dir / name, copy=True)
-        for old in step_checkpoints(ckpt_dir)[:-keep_last]:
-            old.unlink()
+        publish_step(path, ckpt_dir, also, keep_last)
 
     write_on_main(ckpt_dir.parent, rt, write)  # every rank waits for it, or stops with it
     return path
+
+
+def publish_step(path: Path, ckpt_dir: Path, also: tuple[str, ...], keep_last: int) -> None:
+    """After a complete step checkpoint ``path`` (a file or a sharded folder): ``last`` points
+    at it, each name in ``also`` (``best.pt``; ``best.dcp`` for a folder) gets a copy of its
+    own, and all but the newest ``keep_last`` step checkpoints go."""
+    publish(path, ckpt_dir / f"last{path.suffix}")
+    for name in also:
+        publish(path, ckpt_dir / Path(name).with_suffix(path.suffix).name, copy=True)
+    for old in step_checkpoints(ckpt_dir)[:-keep_last]:
+        remove(old)
 
 
 def link(target: Path, name: Path) -> None:
@@ -139,13 +151,7 @@ def save_sharded(
             raise
         remove(path)
         os.replace(tmp, path)
-        link(path, ckpt_dir / f"last{SHARDED_SUFFIX}")
-        for name in also:
-            copy_folder(path, ckpt_dir / Path(name).with_suffix(SHARDED_SUFFIX).name)
-        for old in [p for p in step_checkpoints(ckpt_dir) if p.suffix == SHARDED_SUFFIX][
-            :-keep_last
-        ]:
-            remove(old)
+        publish_step(path, ckpt_dir, also, keep_last)
 
     write_on_main(ckpt_dir.parent, rt, publish_folder)
     return path
@@ -238,12 +244,10 @@ SHARDED_DIR = "sharded_dir"  # where a loaded sharded checkpoint's shards are
 
 def load_sharded_meta(path: Path) -> dict[str, Any]:
     """A sharded checkpoint's plain part, with where its shards are (``SHARDED_DIR``)."""
-    if not (path / ".metadata").is_file():
-        raise _corrupt(path, FileNotFoundError(f"no .metadata in {path.name}"))
-    ckpt = load_checkpoint(path / META) if (path / META).is_file() else None
-    if ckpt is None:
-        raise _corrupt(path, FileNotFoundError(f"no {META} in {path.name}"))
-    return ckpt | {SHARDED_DIR: str(path)}
+    for part in (".metadata", META):
+        if not (path / part).is_file():
+            raise _corrupt(path, FileNotFoundError(f"no {part} in {path.name}"))
+    return load_checkpoint(path / META) | {SHARDED_DIR: str(path)}
 
 
 class CorruptCheckpointError(ConfigError):
@@ -345,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         to_single_file(args.src, args.dst)
     except ConfigError as e:
-        print(f"error: {e}", file=__import__("sys").stderr)
+        print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {args.dst}")
     return 0

@@ -184,3 +184,21 @@ def test_bench_peer_refuses_a_folder_that_holds_no_reference(tmp_path):
 
     with pytest.raises(SystemExit, match="no references/classification/train.py under it"):
         peer_reference.reference_folder(tmp_path)
+
+
+def test_bench_det_reference_loop_runs():
+    """make bench-det's loop written as torchvision's detection reference writes it."""
+    proc = run_script("bench/det_loop.py", "--steps=3", "--warmup=1", nproc=1)
+    assert bench_result(proc.stdout)["images_per_s"] > 0
+
+
+def test_bench_memory_counts_half_the_state_a_rank_under_fsdp2(tmp_path):
+    """make bench-memory's measurement (train.py with its probe) on lm_char's GPT at world
+    size 2: fsdp2 holds half of ddp's parameters + gradients + AdamW state a rank (the shards
+    of a tensor may differ by a row's padding)."""
+    import bench_memory
+
+    bench_memory.RECIPES["lm_char"] = (128, ["experiment=lm_char", "trainer.max_steps=3"])
+    rows = {s: bench_memory.measure("lm_char", s, tmp_path) for s in ("ddp", "fsdp2")}
+    assert all(r["peak_rss_MiB"] > 0 and r["step_s"] > 0 for r in rows.values())
+    assert abs(rows["fsdp2"]["state_MiB"] / rows["ddp"]["state_MiB"] - 0.5) < 0.01

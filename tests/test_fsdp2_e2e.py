@@ -91,6 +91,17 @@ def test_fsdp2_follows_ddps_loss_curve_on_a_gpt_for_300_steps(runs):
     assert len(list((folder / "step_00000300.dcp").glob("*.distcp"))) == 2  # a file a rank
 
 
+def test_activation_checkpointing_recomputes_the_same_numbers(runs, tokens, tmp_path):
+    """trainer.activation_checkpointing under fsdp2: each block recomputed in the backward,
+    the same losses as without it (the same kernels run again) and the same checkpoint keys."""
+    run_script("train.py", *LM, FSDP, "trainer.activation_checkpointing=true",
+               f"data.root={tokens}", f"run_dir={tmp_path}", nproc=2)  # fmt: skip
+    for a, b in zip(read_metrics(tmp_path), read_metrics(runs["fsdp2"]), strict=True):
+        for key in ("train/loss", "val/loss"):
+            assert close(a[key], b[key], 1e-6), (a["step"], key, a[key], b[key])
+    assert params(tmp_path).keys() == params(runs["fsdp2"]).keys()
+
+
 def test_evaluating_the_sharded_folder_is_the_same_at_world_sizes_1_and_3(runs, tmp_path):
     ckpt = runs["fsdp2"] / "checkpoints" / "last.dcp"
     results = eval_at_world_sizes(ckpt, tmp_path, (None, 3))

@@ -129,10 +129,6 @@ class FSDP2Strategy(Strategy):
         finally:
             self.raw_model.set_requires_gradient_sync(True)
 
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        norm = nn.utils.clip_grad_norm_(self.raw_model.parameters(), max_norm)
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-
     def make_ema(self, decay: float, every_steps: int) -> ShardedEMA:
         assert self.ema_twin is not None, "the twin is made when trainer.ema_decay is set"
         return ShardedEMA(self.ema_twin, decay, every_steps)
