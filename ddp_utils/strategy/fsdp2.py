@@ -109,10 +109,11 @@ class FSDP2Strategy(Strategy):
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.trainer.precision)
         kwargs = {
             "reshard_after_forward": opts.reshard_after_forward,
-            # Parameters gathered in the autocast dtype, gradients reduced in fp32.
-            "mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-            if dtype is not None
-            else MixedPrecisionPolicy(),
+            # Parameters gathered in the autocast dtype, gradients reduced in fp32 (full
+            # precision: both None, FSDP2's default).
+            "mp_policy": MixedPrecisionPolicy(
+                param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None
+            ),
             "offload_policy": CPUOffloadPolicy() if opts.cpu_offload else OffloadPolicy(),
         }
         for unit in model_units(module, opts.wrap, "trainer.fsdp.wrap"):
