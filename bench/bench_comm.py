@@ -22,7 +22,7 @@ from bench_lm import torchrun
 from bench import save_rows
 
 ROOT = Path(__file__).resolve().parents[1]
-HOOKS = ["null", "fp16", "bf16"]
+HOOKS = ["null", "fp16", "bf16", "powersgd"]
 
 
 def measure(hook: str, steps: int, tmp: Path) -> dict:

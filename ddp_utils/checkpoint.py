@@ -2,7 +2,7 @@
 ``best.pt`` published from it), loaded safely (weights only, a torn file named), and turned
 back into a model for eval.py and generate.py (``inference_model``). A training checkpoint is a
 dict of plain tensors and containers: ``model``, ``optimizer``, ``scheduler``, ``scaler``,
-``epoch``, ``step``, ``sample_offset``,
+``strategy`` (its own state: PowerSGD's), ``epoch``, ``step``, ``sample_offset``,
 ``epoch_totals``, ``sampler``, ``rng`` (every rank's), ``best``, ``best_ema``, ``model_ema``
 (with EMA), ``world_size``, ``classes``, ``samples_seen``, ``trackers``, ``config`` (the run's
 whole config), and what the data adds for inference (``tokenizer``).

@@ -272,3 +272,18 @@ def test_data_and_task_pair_by_what_they_declare_not_by_name():
         check_pairing(TrainConfig(data=BoxData(name="mine")))  # the classification task
     with pytest.raises(ConfigError, match=r"^task=boxes needs box data \(this is data=digits"):
         check_pairing(TrainConfig(data=DigitsData(), task=BoxTask(name="boxes")))
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("trainer.ddp.comm_hook=topk", "comm_hook='topk' is not one of fp16, bf16, powersgd"),
+        ("trainer.ddp.powersgd_rank=0", r"trainer.ddp.powersgd_rank"),
+        ("trainer.ddp.powersgd_start_iter=1", r"powersgd_start_iter=1: .* set 2 or more"),
+    ],
+)
+def test_ddps_communication_keys_are_checked_by_name(override, message):
+    with pytest.raises(ConfigError, match=message):
+        to_schema(compose_train(override))
+    cfg = to_schema(compose_train("trainer.ddp.comm_hook=powersgd"))
+    assert (cfg.trainer.ddp.powersgd_rank, cfg.trainer.ddp.powersgd_start_iter) == (1, 10)

@@ -52,15 +52,18 @@ class FSDPOptions:
     cpu_offload: bool = False  # parameters, gradients and optimizer state in host memory
 
 
-COMM_HOOKS = ("fp16", "bf16")  # DDP's built-in gradient compression hooks
+COMM_HOOKS = ("fp16", "bf16", "powersgd")  # DDP's built-in gradient compression hooks
 
 
 @dataclass
 class DDPOptions:
     """``trainer.strategy=ddp``'s gradient communication (ddp_utils/strategy/ddp.py)."""
 
-    # null (full-precision all-reduce) | fp16 | bf16 (each bucket in half the bytes)
+    # null (full-precision all-reduce) | fp16 | bf16 (each bucket in half the bytes) |
+    # powersgd (large matrices as a low-rank product, with error feedback)
     comm_hook: str | None = None
+    powersgd_rank: int = 1  # PowerSGD's matrix approximation rank
+    powersgd_start_iter: int = 10  # plain all-reduce steps before it (at least 2)
 
 
 @dataclass
@@ -214,6 +217,13 @@ def check_run(cfg: TrainConfig) -> None:
     check_choice("trainer.backend", t.backend, BACKENDS)
     if t.ddp.comm_hook is not None:
         check_choice("trainer.ddp.comm_hook", t.ddp.comm_hook, COMM_HOOKS)
+    check_positive("trainer.ddp.powersgd_rank", t.ddp.powersgd_rank)
+    if t.ddp.powersgd_start_iter < 2:
+        raise ConfigError(
+            f"trainer.ddp.powersgd_start_iter={t.ddp.powersgd_start_iter}: DDP rebuilds its "
+            "buckets after the first step, so PowerSGD's state may start at step 2 at the "
+            "earliest; set 2 or more."
+        )
     cfg.logger = logger_names(cfg.logger)
     t.progress = t.progress.lower()  # `trainer.progress=true` arrives as "True"
     check_choice("trainer.progress", t.progress, PROGRESS)

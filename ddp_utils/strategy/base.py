@@ -4,7 +4,7 @@ inside the wrapped model."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -81,6 +81,11 @@ class Strategy:
         self.model: nn.Module | None = None
         self.raw_model: nn.Module | None = None
 
+    def build(self, make: Callable[[], nn.Module]) -> nn.Module:
+        """The model ``make`` builds (every rank calls it, seeded alike): where its weights
+        are first made is the strategy's choice."""
+        return make()
+
     def wrap(self, raw_model: nn.Module) -> nn.Module:
         """Place ``raw_model`` on the device (in the trainer's memory format), distribute it,
         compile it with ``trainer.compile``; return the module the training forward runs."""
@@ -88,12 +93,16 @@ class Strategy:
         if self.trainer.activation_checkpointing:
             units = model_units(raw_model, self.trainer.fsdp.wrap, "trainer.fsdp.wrap")
             checkpoint_activations(raw_model, units)
-        raw_model.to(self.rt.device, memory_format=memory_format_of(self.trainer.channels_last))
+        self.place(raw_model)
         self.raw_model = raw_model
         self.model = self.distribute(raw_model)
         if self.trainer.compile:
             self.model = torch.compile(self.model)
         return self.model
+
+    def place(self, raw_model: nn.Module) -> None:
+        """Move the whole model onto the device, in the trainer's memory format."""
+        raw_model.to(self.rt.device, memory_format=memory_format_of(self.trainer.channels_last))
 
     def prepare(self, raw_model: nn.Module) -> nn.Module:
         """The module as the strategy needs it before it is placed (DDP: SyncBatchNorm)."""
@@ -129,6 +138,14 @@ class Strategy:
 
     # What a checkpoint holds of the model and optimizer, and how it is written. Every rank
     # calls each of these.
+
+    def state_dict(self) -> dict[str, Any]:
+        """The strategy's own state a resume needs (a compression hook's), plain tensors;
+        what the main rank returns is saved."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any], world_size: int) -> None:
+        """Restore what ``state_dict()`` returned, saved at ``world_size``."""
 
     def read_states(
         self, ckpt: dict[str, Any], optimizer: torch.optim.Optimizer, ema: EMA | None

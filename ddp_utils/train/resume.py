@@ -50,6 +50,7 @@ def checkpoint_state(tr: Training) -> dict[str, Any]:
     return {
         "model": tr.strategy.model_state_dict(),
         "optimizer": tr.strategy.optimizer_state_dict(tr.optimizer),
+        "strategy": tr.strategy.state_dict(),
         "scheduler": tr.scheduler.state_dict(),
         "scaler": tr.scaler.state_dict(),
         "epoch": tr.epoch,
@@ -224,6 +225,7 @@ def restore(tr: Training, ckpt: dict[str, Any]) -> None:
             tr.cfg.sched, tr.optimizer, tr.cfg.optim.lr, total, per_epoch
         )
     tr.strategy.load_optimizer_state_dict(tr.optimizer, states["optimizer"])
+    tr.strategy.load_state_dict(ckpt.get("strategy") or {}, ckpt["world_size"])
     # The schedule's length follows this run's config (trainer.epochs may have grown): keep
     # the freshly built scheduler's length, take the rest (its position) from the checkpoint.
     length = {k: v for k, v in tr.scheduler.state_dict().items() if k in SCHEDULE_LENGTH_KEYS}
