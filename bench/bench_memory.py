@@ -4,9 +4,9 @@ Per rank at world size 2: the bytes of parameters + gradients + optimizer state 
 moments) that the rank holds, its peak resident memory, and the median step time, for
 trainer.strategy=ddp against fsdp2, each also with trainer.activation_checkpointing, on the
 GPT recipes: experiment=lm_char (its shape, on random tokens) and experiment=gpt2_124m's
-12 x 768 GPT (124M parameters) for a few steps with a short window (on a CPU a 1024-token
-window of 12 takes minutes a step). Full precision, no compile. Writes
-bench/results/memory.json.
+12 x 768 GPT (124M parameters) for a few steps, one window a step, of 128 tokens and of its
+full 1024 (where the activations weigh; on a CPU its batch of 12 windows would take minutes a
+step). Full precision, no compile. Writes bench/results/memory.json.
 """
 
 from __future__ import annotations
@@ -24,20 +24,13 @@ from bench_lm import torchrun
 from bench import save_rows
 
 ROOT = Path(__file__).resolve().parents[1]
+GPT2 = ["experiment=gpt2_124m", "data.batch_size=1", "data.eval_batch_size=1",
+        "trainer.grad_accum_steps=1"]  # fmt: skip
 # recipe -> (its vocabulary, its overrides)
 RECIPES = {
     "lm_char": (128, ["experiment=lm_char", "trainer.max_steps=30"]),
-    "gpt2_124m": (
-        50304,
-        [
-            "experiment=gpt2_124m",
-            "data.block_size=128",
-            "data.batch_size=1",
-            "data.eval_batch_size=1",
-            "trainer.grad_accum_steps=1",
-            "trainer.max_steps=4",
-        ],
-    ),  # fmt: skip
+    "gpt2_124m": (50304, [*GPT2, "data.block_size=128", "trainer.max_steps=4"]),
+    "gpt2_124m x 1024": (50304, [*GPT2, "data.block_size=1024", "trainer.max_steps=3"]),
 }
 VARIANTS = {
     "ddp": ["trainer.strategy=ddp"],
@@ -57,7 +50,7 @@ def token_folder(root: Path, vocab: int) -> Path:
 
 
 def measure(recipe: str, variant: str, tmp: Path) -> dict:
-    run = tmp / f"{recipe}-{variant}".replace(" ", "")
+    run = tmp / f"{recipe}-{variant}".replace(" ", "").replace("x", "_")
     probe = tmp / "probe" / run.name
     os.environ["PYTHONPATH"] = f"{ROOT / 'bench'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
     vocab, overrides = RECIPES[recipe]
@@ -69,8 +62,8 @@ def measure(recipe: str, variant: str, tmp: Path) -> dict:
              f"callbacks=[{{_target_:memory_probe.MemoryProbe,folder:{probe}}}]")  # fmt: skip
     ranks = [json.loads((probe / f"rank{r}.json").read_text()) for r in (0, 1)]
     state = max(sum(r["state_bytes"].values()) for r in ranks)
-    return {"state_MiB": state / 2**20,
-            "peak_rss_MiB": max(r["peak_rss_bytes"] for r in ranks) / 2**20,
+    peaks = [r["peak_rss_bytes"] / 2**20 for r in ranks]
+    return {"state_MiB": state / 2**20, "peak_rss_MiB": max(peaks), "peak_rss_rank_MiB": peaks,
             "step_s": statistics.median(r["step_s"] for r in ranks)}  # fmt: skip
 
 
@@ -87,14 +80,16 @@ def main() -> None:
                 rows.append({"recipe": recipe, "strategy": variant,
                              **measure(recipe, variant, Path(t))})  # fmt: skip
                 print(rows[-1], flush=True)
-    header = ("| recipe | strategy | params + grads + optimizer a rank (MiB) | x ddp | peak RSS "
-              "a rank (MiB) | step (s) |\n| --- | --- | --- | --- | --- | --- |")  # fmt: skip
+    header = ("| recipe | strategy | params + grads + optimizer a rank (MiB) | x ddp | "
+              "peak RSS rank 0 / rank 1 (MiB) | step (s) |\n"
+              "| --- | --- | --- | --- | --- | --- |")  # fmt: skip
     save_rows(args.out, rows, header)
     for r in rows:
         base = next(b for b in rows if b["recipe"] == r["recipe"] and b["strategy"] == "ddp")
         print(
             f"| {r['recipe']} | {r['strategy']} | {r['state_MiB']:,.1f} | "
-            f"{r['state_MiB'] / base['state_MiB']:.2f} | {r['peak_rss_MiB']:,.0f} | "
+            f"{r['state_MiB'] / base['state_MiB']:.2f} | "
+            f"{' / '.join(f'{m:,.0f}' for m in r['peak_rss_rank_MiB'])} | "
             f"{r['step_s']:.3f} |"
         )
     print(f"written to {args.out}")

@@ -179,8 +179,10 @@ class StateDump(Callback):
     """At the start of training (after a resume) rank 0 writes the whole model and optimizer
     state, gathered from every rank's shards, to ``path``: what a resume really loaded."""
 
-    def __init__(self, path: str) -> None:
-        self.path = path
+    def __init__(self, path: str, optimizer: bool = True) -> None:
+        # optimizer=False before the first step: torch's get_optimizer_state_dict creates the
+        # state it lacks by a step at lr 0, which counts a step (AdamW's bias correction).
+        self.path, self.optimizer = path, optimizer
 
     def on_train_start(self, tr) -> None:
         import torch
@@ -191,13 +193,13 @@ class StateDump(Callback):
         )
 
         whole = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        state = {
-            "model": get_model_state_dict(tr.raw_model, options=whole),
-            "optimizer": get_optimizer_state_dict(tr.raw_model, tr.optimizer, options=whole),
-        }
+        state = {"model": get_model_state_dict(tr.raw_model, options=whole)}
+        if self.optimizer:
+            state["optimizer"] = get_optimizer_state_dict(tr.raw_model, tr.optimizer, options=whole)
         if tr.rt.is_main:
             torch.save(state, self.path)
 
 
-def dump_state(path: Path) -> str:
-    return f"callbacks=[{{_target_:tests.callbacks.StateDump,path:{path}}}]"
+def dump_state(path: Path, optimizer: bool = True) -> str:
+    return (f"callbacks=[{{_target_:tests.callbacks.StateDump,path:{path},"
+            f"optimizer:{str(optimizer).lower()}}}]")  # fmt: skip

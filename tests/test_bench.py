@@ -201,4 +201,5 @@ def test_bench_memory_counts_half_the_state_a_rank_under_fsdp2(tmp_path):
     bench_memory.RECIPES["lm_char"] = (128, ["experiment=lm_char", "trainer.max_steps=3"])
     rows = {s: bench_memory.measure("lm_char", s, tmp_path) for s in ("ddp", "fsdp2")}
     assert all(r["peak_rss_MiB"] > 0 and r["step_s"] > 0 for r in rows.values())
+    assert all(len(r["peak_rss_rank_MiB"]) == 2 for r in rows.values())
     assert abs(rows["fsdp2"]["state_MiB"] / rows["ddp"]["state_MiB"] - 0.5) < 0.01

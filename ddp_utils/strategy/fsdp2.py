@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import copy
 import ctypes
-from collections.abc import Iterator
+import itertools
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -24,11 +25,13 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
     MixedPrecisionPolicy,
@@ -37,6 +40,9 @@ from torch.distributed.fsdp import (
 )
 
 from ddp_utils.checkpoint import save_sharded
+from ddp_utils.dist import broadcast_buffers
+from ddp_utils.models import memory_format_of
+from ddp_utils.run import log
 from ddp_utils.strategy.base import Strategy, model_units
 
 
@@ -94,17 +100,51 @@ class FSDP2Strategy(Strategy):
     lockstep_eval = True
     shards_parameters = True
 
+    def build(self, make: Callable[[], nn.Module]) -> nn.Module:
+        """The main rank builds the model whole, in host memory; every other rank on the meta
+        device, which allocates nothing: its shards are filled with the main rank's weights
+        after sharding (``distribute``), so the weights are the ones DDP would train. A model
+        that cannot be built on the meta device is built whole on every rank."""
+        if self.rt.is_main:
+            return make()
+        try:
+            with torch.device("meta"):
+                return make()
+        except Exception as e:  # noqa: BLE001 - any failure of a model's own code on meta
+            log.warning("the model could not be built on the meta device (%s): built whole "
+                        "on every rank instead", e)  # fmt: skip
+            return make()
+
+    def place(self, raw_model: nn.Module) -> None:
+        """Nothing moves whole onto the device: ``fully_shard`` moves each unit's shards."""
+        raw_model.to(memory_format=memory_format_of(self.trainer.channels_last))
+
     def distribute(self, raw_model: nn.Module) -> nn.Module:
         if self.rt.device.type == "cpu":
             fixed_mmap_threshold()
+        whole = raw_model.state_dict() if self.rt.is_main else {}
         # The EMA twin is copied before sharding and sharded the same way, so that its
         # shards line up with the model's.
         twin = copy.deepcopy(raw_model) if self.trainer.ema_decay is not None else None
-        self.shard(raw_model)
-        self.ema_twin = self.shard(twin) if twin is not None else None
+        mesh = init_device_mesh(self.rt.device.type, (self.rt.world_size,))
+        for module in (raw_model, twin) if twin is not None else (raw_model,):
+            self.shard(module, mesh)
+            self.fill(module, whole)
+        self.ema_twin = twin
         return raw_model
 
-    def shard(self, module: nn.Module) -> nn.Module:
+    def fill(self, module: nn.Module, whole: dict[str, torch.Tensor]) -> None:
+        """Every rank's shards of the main rank's ``whole`` state dict; its buffers (also
+        those no state dict holds) broadcast from the main rank."""
+        if any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers())):
+            module.to_empty(device="cpu" if self.trainer.fsdp.cpu_offload else self.rt.device)
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        # A copy: torch puts the shards it made into the dict it is given (the EMA twin is
+        # filled from the same one).
+        set_model_state_dict(module, dict(whole), options=options)
+        broadcast_buffers([module])
+
+    def shard(self, module: nn.Module, mesh: Any) -> None:
         opts = self.trainer.fsdp
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.trainer.precision)
         kwargs = {
@@ -117,9 +157,8 @@ class FSDP2Strategy(Strategy):
             "offload_policy": CPUOffloadPolicy() if opts.cpu_offload else OffloadPolicy(),
         }
         for unit in model_units(module, opts.wrap, "trainer.fsdp.wrap"):
-            fully_shard(unit, **kwargs)
-        fully_shard(module, **kwargs)
-        return module
+            fully_shard(unit, mesh=mesh, **kwargs)
+        fully_shard(module, mesh=mesh, **kwargs)
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:

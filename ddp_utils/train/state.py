@@ -165,7 +165,7 @@ def build_training(cfg: TrainConfig, rt: Runtime, run_dir: Path, callbacks: Any)
             f"rank, which task={cfg.task.name} (a forward an image) cannot keep: train it "
             "with trainer.strategy=ddp."
         )
-    strategy.wrap(build_model(cfg.model, cfg.data, task.num_outputs()))
+    strategy.wrap(strategy.build(lambda: build_model(cfg.model, cfg.data, task.num_outputs())))
     raw_model = strategy.raw_model
     metrics = build_metrics(cfg.task, task, rt.device)
     check_task(task, raw_model, metrics, cfg, rt.device)
