@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 import torch
 from torch import nn
 
-from ddp_utils.config import TrainerConfig
+from ddp_utils.config import ConfigError, TrainerConfig
 from ddp_utils.dist import Runtime
 from ddp_utils.models.nets import ConvNet
 from ddp_utils.strategy.fsdp2 import FSDP2Strategy
@@ -42,3 +43,12 @@ def test_a_model_that_cannot_be_built_on_meta_is_built_whole_with_a_warning(capl
         model = fsdp2(1).build(NeedsValues)
     assert not model.fc.weight.is_meta and model.fc.weight.shape == (8, 4)
     assert "could not be built on the meta device" in caplog.text
+
+
+def test_a_users_mistake_in_the_model_is_raised_as_on_the_main_rank(caplog):
+    def make() -> nn.Module:
+        raise ConfigError("model.width=-1: give a positive width.")
+
+    with caplog.at_level(logging.WARNING), pytest.raises(ConfigError, match="model.width"):
+        fsdp2(1).build(make)
+    assert "meta device" not in caplog.text

@@ -40,6 +40,7 @@ from torch.distributed.fsdp import (
 )
 
 from ddp_utils.checkpoint import save_sharded
+from ddp_utils.config import ConfigError
 from ddp_utils.dist import broadcast_buffers
 from ddp_utils.models import memory_format_of
 from ddp_utils.run import log
@@ -110,6 +111,8 @@ class FSDP2Strategy(Strategy):
         try:
             with torch.device("meta"):
                 return make()
+        except ConfigError:  # the user's mistake, raised as on the main rank
+            raise
         except Exception as e:  # noqa: BLE001 - any failure of a model's own code on meta
             log.warning("the model could not be built on the meta device (%s): built whole "
                         "on every rank instead", e)  # fmt: skip
