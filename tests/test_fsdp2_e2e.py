@@ -355,9 +355,10 @@ POWERSGD = ("trainer.epochs=6", "trainer.ddp.comm_hook=powersgd", "trainer.ddp.p
             "trainer.ddp.powersgd_start_iter=4", "trainer.bucket_cap_mb=0.01")  # fmt: skip
 
 
-def test_ddps_half_precision_hooks_train_as_the_fp32_all_reduce(tmp_path):
+def test_ddps_half_precision_hooks_train_as_the_fp32_all_reduce_and_resume_exactly(tmp_path):
     """fp16 and bf16 gradients (each bucket all-reduced in half the bytes) train the ConvNet
-    at world size 2 to the fp32 all-reduce's accuracy within 2 points."""
+    at world size 2 to the fp32 all-reduce's accuracy within 2 points; the hooks keep no
+    state, so a SIGKILLed run resumes to the uninterrupted run's parameters, bit for bit."""
     plain = tmp_path / "plain"
     run_script("train.py", *HOOKED, f"run_dir={plain}", nproc=2)
     for hook in ("fp16", "bf16"):
@@ -366,6 +367,11 @@ def test_ddps_half_precision_hooks_train_as_the_fp32_all_reduce(tmp_path):
                    nproc=2)  # fmt: skip
         accuracy = read_metrics(run)[-1]["val/accuracy"]
         assert abs(accuracy - read_metrics(plain)[-1]["val/accuracy"]) < 0.02, (hook, accuracy)
+    killed = tmp_path / "killed"
+    run_script("train.py", *HOOKED, "trainer.ddp.comm_hook=bf16", f"run_dir={killed}",
+               fault("kill", 13, 1), nproc=2, launcher=("--max-restarts=1",))  # fmt: skip
+    assert "step 10" in (killed / "train.log").read_text()
+    assert_same_params(params(killed), params(tmp_path / "bf16"))
 
 
 def test_a_sigkilled_powersgd_run_resumes_to_the_same_parameters(tmp_path):
