@@ -7,6 +7,7 @@ the ranks' mean error reaches the same parameters up to rounding."""
 from __future__ import annotations
 
 import copy
+import gc
 import json
 
 import pytest
@@ -17,6 +18,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ddp_utils.dist import leave_together
 from ddp_utils.strategy.powersgd import PowerSGD, mean_errors, powersgd_hook
 
 STEPS, SAVE_AT, START = 8, 5, 2
@@ -67,8 +69,22 @@ def flat(module: nn.Module) -> list[float]:
     return torch.cat([p.detach().flatten() for p in module.parameters()]).tolist()
 
 
-def worker(rank: int, store: str, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+def worker(rank: int, store_path: str, out: str) -> None:
+    store = dist.FileStore(store_path, 2)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    result = runs_of(rank)  # its DDP objects are gone when it returns
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(result, f)
+    # As the product leaves (ddp_utils.dist.shutdown): a rank whose peer closed its gloo
+    # connections while it was tearing its own down was seen to abort.
+    gc.collect()
+    dist.destroy_process_group()
+    leave_together(store, 2)
+    gc.collect()
+
+
+def runs_of(rank: int) -> dict:
     torch.manual_seed(0)
     init = Crossed()
     result = {}
@@ -130,11 +146,7 @@ def worker(rank: int, store: str, out: str) -> None:
         result["per_bucket"] = flat(module)
     except RuntimeError as e:
         result["per_bucket"] = str(e)
-
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(result, f)
-    dist.destroy_process_group()
+    return result
 
 
 @pytest.fixture(scope="module")
