@@ -21,7 +21,8 @@ import os
 import pickle
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +122,17 @@ def copy_folder(src: Path, dst: Path) -> None:
     remove(old)
 
 
+@contextmanager
+def removed_on_failure(folder: Path, owner: bool = True) -> Iterator[None]:
+    """Nothing partial left behind: ``folder`` goes (by its ``owner``) if the block fails."""
+    try:
+        yield
+    except BaseException:
+        if owner:
+            shutil.rmtree(folder, ignore_errors=True)
+        raise
+
+
 def save_sharded(
     state: dict[str, Any], ckpt_dir: Path, also: tuple[str, ...], keep_last: int, rt: Runtime
 ) -> Path:
@@ -134,21 +146,13 @@ def save_sharded(
     tmp = ckpt_dir / f".{path.name}.tmp"
     write_on_main(ckpt_dir.parent, rt, lambda: (remove(tmp), tmp.mkdir(parents=True)))
     shards = {k: state[k] for k in SHARDED_KEYS if k in state}
-    try:
-        with writing_into(ckpt_dir.parent):
-            dcp.save(shards, checkpoint_id=tmp)  # every rank its own file; raises on every rank
-    except BaseException:
-        if rt.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)  # nothing partial left behind
-        raise
+    with removed_on_failure(tmp, rt.is_main), writing_into(ckpt_dir.parent):
+        dcp.save(shards, checkpoint_id=tmp)  # every rank its own file; raises on every rank
 
     def publish_folder() -> None:
         plain = {k: v for k, v in state.items() if k not in shards}
-        try:
+        with removed_on_failure(tmp):
             atomic_save(plain | {"sharded": sorted(shards)}, tmp / META)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
         remove(path)
         os.replace(tmp, path)
         publish_step(path, ckpt_dir, also, keep_last)
