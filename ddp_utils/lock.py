@@ -68,6 +68,23 @@ class RunLock:
         os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
         return cls(path, fd)
 
+    @staticmethod
+    def held(run_dir: Path) -> bool:
+        """Whether a live process holds ``run_dir``'s lock now (without taking it)."""
+        try:
+            fd = os.open(run_dir / LOCK_NAME, os.O_RDWR)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+        finally:
+            os.close(fd)  # closing also drops a lock this call took
+        return False
+
     def release(self) -> None:
         """Unlock (the file stays: removing it could let two later jobs lock two files)."""
         if self._fd is not None:

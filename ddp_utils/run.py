@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
 import os
+import shlex
 import shutil
 import sys
 import time
@@ -30,15 +32,89 @@ def run_tag(run_id: str) -> str:
     return run_id if len(run_id) <= 16 else run_id[:8]
 
 
-def _default_run_dir(base: Path, run_id: str | None) -> Path:
-    """outputs/<date>_<run id>: reuse the folder of this run id, so a restart finds it again."""
-    if run_id:
-        tag = run_tag(run_id)
-        existing = sorted(base.glob(f"*_{tag}")) if base.is_dir() else []
-        if existing:
-            return existing[-1]
-        return base / f"{time.strftime('%Y-%m-%d_%H-%M-%S')}_{tag}"
-    return base / time.strftime("%Y-%m-%d_%H-%M-%S")
+RUN_RECORD = "run.json"  # what launched the run, and whether it finished
+
+
+def run_identity(cfg: Any) -> str:
+    """What makes a relaunch "the same run": the composed config, less where it lives and how
+    it resumes. The world size is no part of it: a relaunch on fewer or more processes
+    continues the run (resumes reshard)."""
+    plain = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    for key in ("run_dir", "resume"):
+        plain.pop(key, None)
+    return hashlib.sha256(json.dumps(plain, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def launch_command() -> str:
+    """The command line that started this job, as a user would type it again: torchrun's (or
+    ddp-run's) when a torchrun agent is this process's parent, else ``python`` and argv."""
+    if read_launch_env().launched:
+        try:
+            raw = Path(f"/proc/{os.getppid()}/cmdline").read_bytes()
+        except OSError:
+            raw = b""
+        agent = [a.decode(errors="replace") for a in raw.split(b"\0") if a]
+        for i, arg in enumerate(agent):
+            name = Path(arg).name
+            if name in ("torchrun", "ddp-run"):
+                return shlex.join([name, *agent[i + 1 :]])
+            if arg in ("torch.distributed.run", "ddp_utils.launch") and i and agent[i - 1] == "-m":
+                return shlex.join(["python", "-m", arg, *agent[i + 1 :]])
+    return shlex.join(["python", *sys.argv])
+
+
+def resume_command(run_dir: Path) -> str:
+    """This job's command with ``run_dir=`` naming the run: it resumes from any folder, also
+    once a newer run of the same command exists."""
+    command = launch_command()
+    if f"run_dir={run_dir}" in command:
+        return command
+    return f"{command} {shlex.quote(f'run_dir={run_dir}')}"
+
+
+def _read_record(run_dir: Path) -> dict[str, Any]:
+    try:
+        return json.loads((run_dir / RUN_RECORD).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def write_run_record(run_dir: Path, identity: str, finished: bool) -> None:
+    """``run.json``: the identity that a relaunch without ``run_dir`` looks for, the command,
+    and whether the run finished (a finished run is not continued by a relaunch)."""
+    record = {"identity": identity, "command": launch_command(), "finished": finished}
+    atomic_write_text(run_dir / RUN_RECORD, json.dumps(record, indent=1) + "\n")
+
+
+def _default_run_dir(base: Path, run_id: str | None, identity: str | None) -> tuple[Path, str]:
+    """Where a launch without ``run_dir`` goes, and why (the first line of the log).
+
+    The folder of this launcher run id first (torchrun's restarts of one job share it); else
+    the newest run in ``base`` with the same identity, if it has not finished and no live job
+    holds it (``--standalone`` and plain ``python`` draw a new id each launch, so this is how
+    a relaunch of the same command continues); else a new ``<date>[_<run id>]``.
+    """
+    tag = run_tag(run_id) if run_id else None
+    runs = sorted(p for p in base.iterdir() if p.is_dir()) if base.is_dir() else []
+    if tag and (mine := [p for p in runs if p.name.endswith(f"_{tag}")]):
+        return mine[-1], f"restarted job: continuing run_dir={mine[-1]}"
+    stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
+    new = base / (f"{stamp}_{tag}" if tag else stamp)
+    for n in range(2, 1000):  # two launches in one second get two folders
+        if not new.exists():
+            break
+        new = base / f"{stamp}_{n}"
+    same = [p for p in runs if identity and _read_record(p).get("identity") == identity]
+    if not same:
+        return new, f"new run: run_dir={new}"
+    newest = same[-1]
+    if _read_record(newest).get("finished"):
+        return new, (f"new run: run_dir={new} (the newest run of this command and config, "
+                     f"{newest}, had finished)")  # fmt: skip
+    if RunLock.held(newest):
+        return new, (f"new run: run_dir={new} (the newest run of this command and config, "
+                     f"{newest}, is still running)")  # fmt: skip
+    return newest, (f"resuming the unfinished run of this command and config: run_dir={newest}")
 
 
 @dataclass
@@ -46,32 +122,43 @@ class RunDir:
     path: Path
     created: bool  # this job made the folder, so an early failure may remove it again
     lock: RunLock | None  # the main rank's lock on it
+    why: str = ""  # how the folder was chosen (new, continued), for the log's first line
 
 
-def resolve_run_dir(run_dir: str | None, rt: Runtime) -> RunDir:
+def resolve_run_dir(
+    run_dir: str | None, rt: Runtime, identity: str | None = None, continue_same: bool = True
+) -> RunDir:
     """One folder for all ranks, locked for this job: the main rank names, creates and locks
     it, the others are told (or told why not: every rank then raises the same error).
 
     Resolving a timestamp on each rank separately would make one folder per rank, so only the
     main rank decides. Every rank must see the folder: ``run_dir`` has to be on a filesystem
-    shared by all nodes.
+    shared by all nodes. Without ``run_dir``, ``identity`` (``run_identity``; None: always a
+    new folder) is written to ``run.json``; with ``continue_same``, it finds the unfinished run
+    that a relaunch of the same command continues.
     """
-    path, created, lock, error = None, False, None, None
+    path, created, lock, error, why = None, False, None, None, ""
     if rt.is_main:
         run_id = read_launch_env().run_id
         if run_id == "none":  # torchrun without --rdzv-id or --standalone
             run_id = None
-        path = Path(run_dir) if run_dir else _default_run_dir(Path("outputs"), run_id)
+        if run_dir:
+            path, why = Path(run_dir), f"run_dir={run_dir}"
+        else:
+            wanted = identity if continue_same else None
+            path, why = _default_run_dir(Path("outputs"), run_id, wanted)
         try:
             created = not path.exists()
             path.mkdir(parents=True, exist_ok=True)
             lock = RunLock.acquire(path)
+            if identity is not None:  # the latest launch's, unfinished until it ends
+                write_run_record(path, identity, finished=False)
         except ConfigError as e:
             error = str(e)
         except OSError as e:
             error = (f"run_dir={path} cannot be created or written ({e.strerror or e}); choose "
                      "a writable folder with run_dir=PATH.")  # fmt: skip
-    path, created, error = broadcast_object((str(path) if path else None, created, error))
+    path, created, error, why = broadcast_object((str(path) if path else None, created, error, why))
     if error:
         raise ConfigError(error)
     path = Path(path)
@@ -82,7 +169,7 @@ def resolve_run_dir(run_dir: str | None, rt: Runtime) -> RunDir:
             "node shares (run_dir=/shared/path/...).",
             rank_specific=True,
         )
-    return RunDir(path, created, lock)
+    return RunDir(path, created, lock, why)
 
 
 def remove_if_unused(run: RunDir, rt: Runtime) -> None:

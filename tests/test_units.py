@@ -105,13 +105,20 @@ def test_backend_choice():
 
 @pytest.mark.parametrize("length", [0, 1, 7, 2000, 2001])
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 8])
-def test_eval_sampler_gives_every_index_to_exactly_one_rank(length, world_size):
-    shards = [list(EvalShardSampler(length, world_size, r)) for r in range(world_size)]
+@pytest.mark.parametrize("batch", [1, 3, 64])
+def test_eval_sampler_gives_every_index_to_exactly_one_rank(length, world_size, batch):
+    samplers = [EvalShardSampler(length, world_size, r, batch) for r in range(world_size)]
+    shards = [list(s) for s in samplers]
     flat = sorted(i for shard in shards for i in shard)
     assert flat == list(range(length))
-    assert [len(EvalShardSampler(length, world_size, r)) for r in range(world_size)] == [
-        len(s) for s in shards
-    ]
+    assert [len(s) for s in samplers] == [len(s) for s in shards]
+    # Whole canonical batches: batch k (the data set's k-th run of `batch`) on rank k % W, so a
+    # loader batching each shard by `batch` sees world size 1's batches.
+    for r, sampler in enumerate(samplers):
+        batches = [shards[r][i : i + batch] for i in range(0, len(shards[r]), batch)]
+        assert batches == [list(range(k * batch, min((k + 1) * batch, length)))
+                           for k in sampler.batches()]  # fmt: skip
+        assert all(k % world_size == r for k in sampler.batches())
 
 
 def test_distributed_sampler_pads_which_is_why_eval_does_not_use_it():
@@ -243,7 +250,7 @@ def test_a_rank_that_cannot_see_run_dir_says_so(tmp_path):
                  device=torch.device("cpu"), backend="gloo")  # fmt: skip
     missing = tmp_path / "on_another_node"
     with (
-        mock.patch("ddp_utils.run.broadcast_object", return_value=(str(missing), False, None)),
+        mock.patch("ddp_utils.run.broadcast_object", return_value=(str(missing), False, None, "")),
         mock.patch("ddp_utils.run.barrier"),
         pytest.raises(ConfigError, match="shared") as e,
     ):

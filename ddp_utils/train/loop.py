@@ -26,10 +26,13 @@ from ddp_utils.run import (
     read_metrics,
     remove_if_unused,
     resolve_run_dir,
+    resume_command,
+    run_identity,
     seconds_since_process_start,
     setup_logging,
     write_on_main,
     write_run_files,
+    write_run_record,
 )
 from ddp_utils.tasks import draw_predictions
 from ddp_utils.tracking import TrackedRun, environment_text, peak_memory_mb
@@ -177,7 +180,9 @@ def after_step(tr: Training, checkpoint_follows: bool) -> None:
         save(tr)
         stopped = Preempted(tr.step, tr.stop.signum)
         if tr.rt.is_main:  # one line: every rank stops at this same step
-            log.warning("%s: checkpoint written, exiting with code %d", stopped, stopped.exit_code)
+            log.warning("%s: checkpoint written in run_dir=%s, exiting with code %d; relaunch the "
+                        "same command to resume, or name the run: %s", stopped, tr.run_dir,
+                        stopped.exit_code, resume_command(tr.run_dir))  # fmt: skip
         raise stopped
     every = tr.cfg.trainer.ckpt_every_steps
     if every and tr.step % every == 0 and not checkpoint_follows:
@@ -292,19 +297,22 @@ def fit(
     join ``cfg.callbacks`` (the entry script's: a sweep's pruning).
     """
     check_runtime(cfg.trainer, rt)
+    identity = run_identity(cfg)  # as composed: before anything is resolved for this machine
     cfg = resolve_auto(cfg, rt)
     cfg = dataclasses.replace(cfg, data=resolve_data(cfg.data, rt))
-    run = resolve_run_dir(cfg.run_dir or default_run_dir, rt)
+    run = resolve_run_dir(cfg.run_dir or default_run_dir, rt, identity, cfg.resume == "auto")
     tr: Training | None = None
     try:
         try:
             setup_logging(run.path, rt, "train")
+            log.info(run.why)
             tr = build_training(cfg, rt, run.path, build_callbacks(cfg.callbacks, callbacks))
             try:
                 train_epochs(tr)
                 if (run.path / "metrics.jsonl").exists():
                     write_on_main(run.path, rt, lambda: draw_pictures(tr))
                 tr.trackers.finish(run_files(run.path))
+                write_on_main(run.path, rt, lambda: write_run_record(run.path, identity, True))
             except BaseException:
                 tr.close(drain=False)  # a rank may be gone: do not wait on it again
                 raise
@@ -313,9 +321,13 @@ def fit(
             # while its peer still closed its helpers aborted the peer once ("terminate called
             # without an active exception", a restarted run of tests/test_detection_e2e.py).
             barrier()
-        except BaseException:
+        except BaseException as e:
             if tr is None or tr.step < tr.first_step:  # no step taken: nothing to keep
                 remove_if_unused(run, rt)
+            elif rt.is_main and not isinstance(e, Preempted):  # Preempted's line says it
+                log.warning("the run stopped at step %d; run_dir=%s keeps its checkpoints: "
+                            "relaunch the same command to resume, or name the run: %s",
+                            tr.step, run.path, resume_command(run.path))  # fmt: skip
             raise
     finally:
         if run.lock is not None:
