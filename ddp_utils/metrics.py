@@ -1,11 +1,14 @@
-"""Exact distributed evaluation with torchmetrics: every sample on exactly one rank, one sync.
+"""Exact distributed evaluation with torchmetrics: the same numbers, to the last digit, at
+any world size.
 
-Each rank scores its own shard (``EvalShardSampler``: every sample on exactly one rank, no
-padding) into a ``torchmetrics.MetricCollection`` on its device; ranks may hold different
-numbers of batches, so nothing is synchronised per batch. After the last batch every rank calls
-``compute()``, torchmetrics' own sync (an all_gather of each metric's states), and one
-all_reduce adds the loss sum and the sample counts. Without padded duplicates, every metric,
-also one that keeps every sample's score (AUROC), is the one-process number at any world size.
+Each rank scores its canonical batches (``EvalShardSampler``: the data set's order cut into
+batches, batch ``k`` on rank ``k % W``), so every batch, and each sample's output, is the
+one-process one. ``BatchOrder`` then puts the batches' results back in batch order: the
+states that a float sum or a list holds (the loss, a mean, perplexity's log-probabilities,
+AUROC's scores, mAP's detections) are kept per batch and joined in the data set's order on
+every rank; counts (integer sums), maxima and minima are order-free and reduced once. A
+metric with a state of another reduction (``mean``, a function of its own) is left to
+torchmetrics' own sync.
 
 The metrics are ``task.metrics`` on top of the task's defaults: any ``torchmetrics.Metric``
 (or a user's subclass) given as a ``_target_``.
@@ -19,14 +22,16 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from torch import nn
 from torch.utils.data import DataLoader
 from torchmetrics import Metric, MetricCollection
+from torchmetrics.utilities.data import dim_zero_max, dim_zero_min, dim_zero_sum
 
 from ddp_utils.config import ConfigError, TaskConfig
-from ddp_utils.dist import Runtime, all_reduce_max, all_reduce_sum
+from ddp_utils.dist import Runtime, all_reduce_max
 from ddp_utils.targets import why
 from ddp_utils.tasks import Task
 from ddp_utils.watchdog import StepWatchdog
@@ -92,6 +97,108 @@ def lockstep_rounds(batches: int, rt: Runtime) -> int:
     return int(most)
 
 
+_ORDER_FREE = {dim_zero_max: dist.ReduceOp.MAX, dim_zero_min: dist.ReduceOp.MIN}
+
+
+def _cpu(x: Any) -> Any:
+    return x.detach().cpu() if isinstance(x, torch.Tensor) else x
+
+
+class BatchOrder:
+    """The metrics' states and the loss totals of every rank's batches, joined in the data
+    set's batch order on every rank (see the module's docstring).
+
+    ``start_batch`` before each batch's update hands each ordered state a fresh default, and
+    ``end_batch`` keeps what the batch put there; ``join`` (every rank) gathers those, adds
+    them (or concatenates lists) batch by batch from the first, and leaves every metric ready
+    for a ``compute()`` without its own sync.
+    """
+
+    def __init__(self, metrics: MetricCollection) -> None:
+        self.ordered: list[tuple[Metric, str]] = []  # float sums and lists: kept per batch
+        self.reduced: list[tuple[Metric, str, dist.ReduceOp]] = []  # order-free: reduced once
+        self.own_sync: list[Metric] = []
+        for _, metric in metrics.items(keep_base=True):
+            ordered, reduced = [], []
+            for attr, default in metric._defaults.items():
+                reduction = metric._reductions[attr]
+                if isinstance(default, list) or (
+                    reduction is dim_zero_sum and default.is_floating_point()
+                ):
+                    ordered.append((metric, attr))
+                elif reduction is dim_zero_sum:
+                    reduced.append((metric, attr, dist.ReduceOp.SUM))
+                elif reduction in _ORDER_FREE:
+                    reduced.append((metric, attr, _ORDER_FREE[reduction]))
+                else:
+                    self.own_sync.append(metric)
+                    break
+            else:
+                self.ordered += ordered
+                self.reduced += reduced
+        self.batches: list[int] = []
+        self.parts: list[list[Any]] = []
+
+    def start_batch(self) -> None:
+        for metric, attr in self.ordered:
+            default = metric._defaults[attr]
+            fresh = [] if isinstance(default, list) else default.detach().clone()
+            setattr(metric, attr, fresh if isinstance(fresh, list) else fresh.to(metric.device))
+
+    def end_batch(self, k: int, totals: torch.Tensor) -> None:
+        """Batch ``k`` (canonical number) is scored; ``totals`` are its loss and counts."""
+        self.batches.append(k)
+        self.parts.append([totals] + [getattr(m, attr) for m, attr in self.ordered])
+
+    def join(self, world_size: int) -> torch.Tensor:
+        """Every rank: the joined states set on the metrics; returns the summed totals."""
+        for metric, attr, op in self.reduced:
+            if world_size > 1:
+                dist.all_reduce(getattr(metric, attr), op=op)
+        mine = (self.batches, [[[_cpu(x) for x in p] if isinstance(p, list) else _cpu(p)
+                                for p in parts] for parts in self.parts])  # fmt: skip
+        gathered: list[Any] = [None] * world_size
+        if world_size > 1:
+            dist.all_gather_object(gathered, mine)
+        else:
+            gathered = [mine]
+        in_order = sorted(((k, parts) for batches, parts_list in gathered
+                           for k, parts in zip(batches, parts_list, strict=True)),
+                          key=lambda kp: kp[0])  # fmt: skip
+        joined: list[Any] = [None] * (1 + len(self.ordered))
+        for _, parts in in_order:
+            for i, part in enumerate(parts):
+                if isinstance(part, list):
+                    joined[i] = (joined[i] or []) + part
+                else:
+                    joined[i] = part if joined[i] is None else joined[i] + part
+        for (metric, attr), value in zip(self.ordered, joined[1:], strict=True):
+            if value is None:  # no batch anywhere
+                value = metric._defaults[attr]
+            to = metric.device
+            setattr(metric, attr, [_to(x, to) for x in value] if isinstance(value, list)
+                    else value.to(to))  # fmt: skip
+        return joined[0] if joined[0] is not None else torch.zeros(4, dtype=torch.float64)
+
+    def compute(self, metrics: MetricCollection) -> dict[str, Any]:
+        """``metrics.compute()`` on the joined states: torchmetrics' sync only for the metrics
+        left to it."""
+        # By identity: a Metric's == builds a compositional metric.
+        own = {id(m) for m in self.own_sync}
+        synced = [m for _, m in metrics.items(keep_base=True) if id(m) not in own]
+        for metric in synced:
+            metric._to_sync = False
+        try:
+            return metrics.compute()
+        finally:
+            for metric in synced:
+                metric._to_sync = metric.sync_on_compute
+
+
+def _to(x: Any, device: torch.device) -> Any:
+    return x.to(device) if isinstance(x, torch.Tensor) else x
+
+
 class CountMismatchError(RuntimeError):
     """The evaluation counted a different number of samples than the set holds."""
 
@@ -128,29 +235,31 @@ def evaluate(
     was_training = model.training
     model.eval()
     metrics.reset()
-    # loss sum, its count (samples, or pixels), skipped images, samples
-    totals = torch.zeros(4, dtype=torch.float64, device=rt.device)
+    order = BatchOrder(metrics)
     beat = watchdog.beat if watchdog is not None else lambda phase: None
     beat("val")
     rounds = lockstep_rounds(len(loader), rt) if lockstep else len(loader)
     batch = None
-    for images, target in loader:
+    for j, (images, target) in enumerate(loader):
         # Skipped images are counted apart, left out of the loss and the metrics.
         batch = task.to_batch(images, target, rt.device, preprocess, skip_bad, not skip_bad)
+        order.start_batch()
         with amp():
             loss_sum, n = task.eval_step(model, batch, metrics)
         # Evaluation shards hold no padding: every row is a sample, but for a skipped image.
         n_bad = torch.as_tensor(batch.skipped, device=rt.device)
-        totals += torch.stack([loss_sum.double(), n.double(), n_bad.double(),
-                               (batch.size - n_bad).double()])  # fmt: skip
+        # loss sum, its count (samples, or pixels), skipped images, samples
+        order.end_batch(rt.rank + j * rt.world_size,
+                        torch.stack([loss_sum.double(), n.double(), n_bad.double(),
+                                     (batch.size - n_bad).double()]))  # fmt: skip
         beat("val")
     for _ in range(rounds - len(loader)):
         with amp():
             task.idle_forward(model, batch)
     if watchdog is not None:
         watchdog.disarm()
-    computed = metrics.compute()  # torchmetrics' sync: every rank reaches it
-    loss_sum, n, skipped, samples = all_reduce_sum(totals).tolist()
+    loss_sum, n, skipped, samples = order.join(rt.world_size).tolist()  # every rank
+    computed = order.compute(metrics)
     model.train(was_training)
     result: dict[str, Any] = {name: _plain(value) for name, value in computed.items()}
     result |= {"loss": loss_sum / max(n, 1), "num_samples": int(samples),

@@ -11,7 +11,7 @@ from ddp_utils.config import DataConfig
 from ddp_utils.data.builtin import ImageTensorDataset, load_split
 from ddp_utils.data.bundle import DataBundle, EvalData, image_bundle, image_eval
 from ddp_utils.data.loaders import TensorLoader, worker_loader
-from ddp_utils.data.samplers import EvalShardSampler, training_sampler
+from ddp_utils.data.samplers import eval_sampler, training_sampler
 from ddp_utils.dist import Runtime, local_main_first
 
 
@@ -29,12 +29,12 @@ def build(cfg: DataConfig, rt: Runtime, seed: int, channels_last: bool | str) ->
         train_ds, val_ds = load_split(cfg, "train"), load_split(cfg, "val")
     sampler = training_sampler(len(train_ds), cfg, rt, seed)
     train = in_memory_loader(train_ds, sampler, cfg, rt)
-    val = in_memory_loader(val_ds, EvalShardSampler(len(val_ds), rt.world_size, rt.rank), cfg, rt)
+    val = in_memory_loader(val_ds, eval_sampler(len(val_ds), cfg, rt), cfg, rt)
     return image_bundle(cfg, rt, (train, val, sampler, None), cfg.augment, channels_last)
 
 
 def build_eval(cfg: DataConfig, rt: Runtime, seed: int, channels_last: bool | str) -> EvalData:
     with local_main_first(rt):
         ds = load_split(cfg, cfg.split)
-    loader = in_memory_loader(ds, EvalShardSampler(len(ds), rt.world_size, rt.rank), cfg, rt)
+    loader = in_memory_loader(ds, eval_sampler(len(ds), cfg, rt), cfg, rt)
     return image_eval(cfg, rt, loader, None, channels_last)

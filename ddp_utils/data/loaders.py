@@ -16,8 +16,8 @@ from ddp_utils.data.samplers import (
     IGNORE_LABEL,
     SENTINEL,
     EpochTagged,
-    EvalShardSampler,
     ResumableDistributedSampler,
+    eval_sampler,
     training_sampler,
 )
 from ddp_utils.dist import Runtime
@@ -97,7 +97,7 @@ def worker_loader(ds: Dataset, sampler: Sampler, cfg: DataConfig, rt: Runtime) -
 
 def eval_shard_loader(ds: Dataset, cfg: DataConfig, rt: Runtime) -> DataLoader:
     """Workers over this rank's exact evaluation shard of ``ds``."""
-    return worker_loader(ds, EvalShardSampler(len(ds), rt.world_size, rt.rank), cfg, rt)
+    return worker_loader(ds, eval_sampler(len(ds), cfg, rt), cfg, rt)
 
 
 def sharded_loaders(

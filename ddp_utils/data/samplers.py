@@ -18,23 +18,40 @@ SENTINEL = "ddp_recipes_sentinel"
 
 
 class EvalShardSampler(Sampler[int]):
-    """Every index goes to exactly one rank: no padding, no dropping.
+    """Every index goes to exactly one rank, in whole canonical batches: no padding, no dropping.
 
-    DistributedSampler pads the set until its length divides by the world size, so the padded
-    duplicates are counted twice and the metrics change with the number of processes. Here
-    rank ``r`` takes ``r, r + W, r + 2W, ...``; shard sizes differ by at most one, so an
-    evaluation loop must not put a collective inside its per-batch loop.
+    The data set's order is cut into batches of ``batch_size`` (the last may be short), and
+    batch ``k`` goes to rank ``k % W``. Each batch then holds the same samples at any world
+    size, so each sample's output (and a batch's sum) is the one-process number, to the last
+    digit; the evaluation puts the batches' results back in batch order
+    (``ddp_utils.metrics``). DistributedSampler instead pads the set until its length divides
+    by the world size, so duplicates are counted twice. Ranks' batch counts differ by at most
+    one: an evaluation loop must not put a collective inside its per-batch loop.
     """
 
-    def __init__(self, length: int, world_size: int, rank: int) -> None:
+    def __init__(self, length: int, world_size: int, rank: int, batch_size: int = 1) -> None:
         assert 0 <= rank < world_size, f"rank {rank} outside world size {world_size}"
+        assert batch_size >= 1, f"batch_size {batch_size}"
         self.length, self.world_size, self.rank = length, world_size, rank
+        self.batch_size = batch_size
+
+    def batches(self) -> range:
+        """The canonical batch numbers this rank evaluates, in its order."""
+        return range(self.rank, math.ceil(self.length / self.batch_size), self.world_size)
 
     def __iter__(self) -> Iterator[int]:
-        return iter(range(self.rank, self.length, self.world_size))
+        b = self.batch_size
+        for k in self.batches():
+            yield from range(k * b, min((k + 1) * b, self.length))
 
     def __len__(self) -> int:
-        return len(range(self.rank, self.length, self.world_size))
+        b = self.batch_size
+        return sum(min((k + 1) * b, self.length) - k * b for k in self.batches())
+
+
+def eval_sampler(length: int, cfg: DataConfig, rt: Runtime) -> EvalShardSampler:
+    """This rank's exact evaluation shard, in canonical batches of ``data.batch_size``."""
+    return EvalShardSampler(length, rt.world_size, rt.rank, cfg.batch_size)
 
 
 def pad_marker(index: int) -> int:

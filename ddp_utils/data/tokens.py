@@ -267,8 +267,9 @@ def eval_windows(cfg: TokenData, split: str) -> Windows:
 
 def eval_loader(cfg: TokenData, rt: Runtime, split: str) -> WindowLoader:
     ds = eval_windows(cfg, split)
-    sampler = EvalShardSampler(len(ds), rt.world_size, rt.rank)
-    return WindowLoader(ds, sampler, cfg.eval_batch_size or cfg.batch_size, rt.device)
+    batch = cfg.eval_batch_size or cfg.batch_size
+    return WindowLoader(ds, EvalShardSampler(len(ds), rt.world_size, rt.rank, batch), batch,
+                        rt.device)  # fmt: skip
 
 
 def token_loaders(

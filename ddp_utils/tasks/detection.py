@@ -2,10 +2,9 @@
 losses in training, per-image ``{"boxes", "scores", "labels"}`` in evaluation) trained on its
 own losses, scored by COCO's mAP through torchmetrics' ``MeanAveragePrecision``.
 
-torchmetrics synchronises that metric's per-image lists element by element, which breaks
-when ranks hold different numbers of images (gloo aborts on the size mismatch).
-``ExactMeanAveragePrecision`` gathers each rank's lists whole instead and puts the images
-back in the data set's order, so mAP is the same at any world size, to the last digit.
+The evaluation joins the metric's per-image lists in the data set's order on every rank
+(``ddp_utils.metrics.BatchOrder``), so mAP, COCO's tie-breaks included, is the same at any
+world size, to the last digit.
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torchmetrics.detection import MeanAveragePrecision
 
@@ -24,33 +22,16 @@ from ddp_utils.tasks.base import Batch, Task, sentinel_of
 BACKEND = "faster_coco_eval"  # COCO's evaluation behind torchmetrics' MeanAveragePrecision
 
 
-def interleave(per_rank: list[list[Any]]) -> list[Any]:
-    """Rank ``r``'s ``j``-th image is the data set's ``r + j * world_size``-th
-    (``EvalShardSampler``'s stride): the images of every rank, in the data set's order."""
-    longest = max((len(items) for items in per_rank), default=0)
-    return [items[j] for j in range(longest) for items in per_rank if j < len(items)]
-
-
 class ExactMeanAveragePrecision(MeanAveragePrecision):
-    """``MeanAveragePrecision`` whose per-image lists are gathered whole (any number of images
-    per rank) and ordered as at world size 1, so the tie-breaks of COCO's evaluation too."""
+    """``MeanAveragePrecision`` on faster-coco-eval; its per-image lists are joined in the
+    data set's order by the evaluation (``BatchOrder``), so COCO's tie-breaks are world size
+    1's."""
 
     def __init__(self, **kwargs: Any) -> None:
         # faster-coco-eval (the [det] extra) unless asked otherwise: torchmetrics' default,
         # pycocotools, is slower and not one of our dependencies.
         kwargs.setdefault("backend", BACKEND)
         super().__init__(**kwargs)
-
-    def _sync_dist(self, dist_sync_fn: Any = None, process_group: Any = None) -> None:
-        group = process_group or self.process_group
-        world = dist.get_world_size(group)
-        for attr in self._reductions:
-            mine = [t.cpu() if isinstance(t, torch.Tensor) else t for t in getattr(self, attr)]
-            gathered: list[Any] = [None] * world
-            dist.all_gather_object(gathered, mine, group=group)
-            merged = interleave(gathered)
-            setattr(self, attr, [t.to(self.device) if isinstance(t, torch.Tensor) else t
-                                 for t in merged])  # fmt: skip
 
 
 def real_parts(
