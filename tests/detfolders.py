@@ -48,7 +48,23 @@ def write_coco_folder(root: Path, n_train: int = 24, n_val: int = 13, seed: int 
         doc = {"images": images, "annotations": anns,
                "categories": [{"id": k + 1, "name": c} for k, c in enumerate(CLASSES)]}  # fmt: skip
         (root / "annotations" / f"{split}.json").write_text(json.dumps(doc))
+    write_odd_formats(root / "images")
     return root
+
+
+def write_odd_formats(folder: Path) -> None:
+    """Three of the images as a 16-bit grey PNG, a palette PNG and an RGBA PNG: what cameras
+    and annotation tools write, which every image folder reads as 8-bit RGB."""
+    import numpy as np
+    from PIL import Image
+
+    def pixels(name: str) -> np.ndarray:
+        return np.array(Image.open(folder / name).convert("RGB"))
+
+    grey = pixels("val_001.png").mean(2).astype(np.uint16) * 257
+    Image.fromarray(grey).save(folder / "val_001.png")
+    Image.fromarray(pixels("train_002.png")).convert("P").save(folder / "train_002.png")
+    Image.fromarray(pixels("train_003.png")).convert("RGBA").save(folder / "train_003.png")
 
 
 def voc_object(bbox: list[int], label: int, difficult: int = 0) -> str:

@@ -8,6 +8,7 @@ import json
 import shutil
 
 import pytest
+import yaml
 from conftest import read_metrics, run_script
 from detfolders import write_coco_folder
 
@@ -15,9 +16,10 @@ pytest.importorskip(
     "faster_coco_eval", reason="mAP needs faster-coco-eval (make install: the [det] extra)"
 )
 
-RUN = ("data=detfolder", "model=tiny_det", "task=detection", "data.num_classes=3",
-       "data.image_size=64", "data.num_workers=1", "data.batch_size=4", "trainer.epochs=2",
-       "trainer.precision=32", "optim.lr=0.01")  # fmt: skip
+# data.num_classes is left to the annotations (2 categories: 3 with the background).
+RUN = ("data=detfolder", "model=tiny_det", "task=detection", "data.image_size=64",
+       "data.num_workers=1", "data.batch_size=4", "trainer.epochs=2", "trainer.precision=32",
+       "optim.lr=0.01")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -27,8 +29,11 @@ def coco(tmp_path_factory):
 
 def test_a_coco_folder_trains_and_scores_the_same_at_world_sizes_1_and_3(coco, tmp_path):
     run = tmp_path / "run"
-    run_script("train.py", *RUN, f"data.root={coco}", f"run_dir={run}", nproc=2)
+    proc = run_script("train.py", *RUN, f"data.root={coco}", f"run_dir={run}", nproc=2)
     assert read_metrics(run)[-1]["val/num_samples"] == 13
+    assert yaml.safe_load((run / "config.yaml").read_text())["data"]["num_classes"] == 3
+    # 16-bit, palette and RGBA images were read; COCO's tables stayed out of the log.
+    assert "Average Precision" not in proc.stdout + proc.stderr + (run / "train.log").read_text()
     results = {}
     for n in (1, 3):
         out = tmp_path / f"eval{n}.json"
@@ -69,6 +74,11 @@ CASES = {
         "which does not exist",
     ),
     "bbox shape": (lambda d, f: first_ann(d).update(bbox=[1, 2, 3]), "A bbox is [x, y, width"),
+    # num_classes comes from val.json (4 with the background); train.json is checked against it
+    "categories": (
+        lambda d, f: d["categories"].append({"id": 9, "name": "extra"}),
+        "has 2 categories, so data.num_classes=3 (with the background); it is 4",
+    ),
 }
 
 

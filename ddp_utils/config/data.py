@@ -74,6 +74,8 @@ class DataConfig:
     # The module that builds this option's loaders (``ddp_utils.data.registry`` says what it
     # defines); a new data family is that module, its schema here and its conf/data file.
     family: ClassVar[str] = "ddp_utils.data.in_memory"
+    # Whether the family's ``resolve`` fills in ``num_classes=null`` from the data.
+    counts_classes: ClassVar[bool] = False
     # The keys whose change makes a checkpoint another experiment's (resume refuses it).
     identity: ClassVar[tuple[str, ...]] = ("name", "in_channels", "image_size", "num_classes",
                                            "mean", "std")  # fmt: skip
@@ -94,7 +96,8 @@ class DataConfig:
     # What the model is sized for; each data config declares its own.
     in_channels: int = 1
     image_size: int = 8
-    num_classes: int = 10
+    # null only where the data names its classes (``counts_classes``): read before training
+    num_classes: int | None = 10
     mean: list[float] = field(default_factory=lambda: [0.5])
     std: list[float] = field(default_factory=lambda: [0.5])
     # In-memory sets: random crop with padding and flip on the device; streamed sets:
@@ -110,6 +113,11 @@ class DataConfig:
         check_choice("data.loader", self.loader, LOADERS)
         for key in ("batch_size", "in_channels", "image_size", "num_classes"):
             check_positive(f"data.{key}", getattr(self, key))
+        if self.num_classes is None and not self.counts_classes:
+            raise ConfigError(
+                f"data.num_classes=null: data={self.name} does not count its classes; set "
+                "data.num_classes=N."
+            )
         for key in ("num_workers", "prefetch_factor", "mixup_alpha", "cutmix_alpha"):
             check_positive(f"data.{key}", getattr(self, key), allow_zero=True)
         if len(self.mean) != self.in_channels or len(self.std) != self.in_channels:
@@ -463,7 +471,10 @@ class DetFolderData(DetFilesData):
         "root", "images_dir", "train_annotations", "val_annotations"
     )  # fmt: skip
 
+    counts_classes: ClassVar[bool] = True
+
     name: str = "detfolder"
+    num_classes: int | None = None  # null = the annotation files' categories + 1
     images_dir: str = "images"
     train_annotations: str = "annotations/train.json"
     val_annotations: str = "annotations/val.json"
@@ -477,12 +488,14 @@ class VOCDetData(DetFilesData):
         "root", "year", "train_set", "val_set", "classes", "keep_difficult"
     )  # fmt: skip
 
+    counts_classes: ClassVar[bool] = True
+
     name: str = "voc_det"
     year: str = "2012"
     train_set: str = "train"  # ImageSets/Main/<train_set>.txt
     val_set: str = "val"
     classes: list[str] = field(default_factory=lambda: list(VOC_CLASSES))
-    num_classes: int = len(VOC_CLASSES) + 1
+    num_classes: int | None = None  # null = data.classes + 1 (the background)
     keep_difficult: bool = True  # as crowd boxes: out of training, neither hit nor miss in mAP
 
     def check(self) -> None:
@@ -492,7 +505,7 @@ class VOCDetData(DetFilesData):
                 f"data.classes={list(self.classes)}: the object classes' names, each once "
                 "(their order gives the labels 1..K)."
             )
-        if self.num_classes != len(self.classes) + 1:
+        if self.num_classes is not None and self.num_classes != len(self.classes) + 1:
             raise ConfigError(
                 f"data.num_classes={self.num_classes} with {len(self.classes)} data.classes: "
                 f"set data.num_classes={len(self.classes) + 1} (the classes and the background)."

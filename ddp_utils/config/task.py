@@ -102,6 +102,7 @@ class DetectionTask(TaskConfig):
     _target_: str = "ddp_utils.tasks.detection.Detection"
     name: str = "detection"
     monitor: str = "map"
+    coco_summary: bool = False  # COCO's summary tables in the log after each evaluation
 
 
 @dataclass

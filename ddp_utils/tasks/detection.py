@@ -9,6 +9,9 @@ world size, to the last digit.
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,16 +25,35 @@ from ddp_utils.tasks.base import Batch, Task, sentinel_of
 BACKEND = "faster_coco_eval"  # COCO's evaluation behind torchmetrics' MeanAveragePrecision
 
 
+@contextlib.contextmanager
+def quiet(logger: str, when: bool = True) -> Iterator[None]:
+    """``logger``'s INFO lines held back for the block (``when``)."""
+    log = logging.getLogger(logger)
+    level = log.level
+    if when:
+        log.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
 class ExactMeanAveragePrecision(MeanAveragePrecision):
     """``MeanAveragePrecision`` on faster-coco-eval; its per-image lists are joined in the
     data set's order by the evaluation (``BatchOrder``), so COCO's tie-breaks are world size
-    1's."""
+    1's. COCO's summary tables (a dozen lines an evaluation) stay out of the log unless
+    ``print_summary`` (``task.coco_summary=true``)."""
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, print_summary: bool = False, **kwargs: Any) -> None:
         # faster-coco-eval (the [det] extra) unless asked otherwise: torchmetrics' default,
         # pycocotools, is slower and not one of our dependencies.
         kwargs.setdefault("backend", BACKEND)
         super().__init__(**kwargs)
+        self.print_summary = print_summary
+
+    def compute(self) -> dict[str, torch.Tensor]:
+        with quiet("faster_coco_eval", when=not self.print_summary):
+            return super().compute()
 
 
 def real_parts(
@@ -64,8 +86,8 @@ class Detection(Task):
     loss_in_eval_mode = False  # a torchvision detector gives losses in training mode only
     one_forward_a_batch = False  # evaluated image by image (see eval_step)
 
-    def __init__(self, num_classes: int) -> None:
-        self.num_classes = num_classes
+    def __init__(self, num_classes: int, coco_summary: bool = False) -> None:
+        self.num_classes, self.coco_summary = num_classes, coco_summary
 
     def to_batch(self, images: Any, target: Any, device: torch.device, preprocess: nn.Module,
                  skip_bad: bool = False, all_real: bool = False) -> Batch:  # fmt: skip
@@ -81,7 +103,8 @@ class Detection(Task):
         # faster-coco-eval: the same numbers as pycocotools, 6.8x faster here (359 images x 20
         # detections: 0.28 s against 1.9 s; docs/detection.md).
         return {"map": ExactMeanAveragePrecision(box_format="xyxy", iou_type="bbox",
-                                                 class_metrics=True)}  # fmt: skip
+                                                 class_metrics=True,
+                                                 print_summary=self.coco_summary)}  # fmt: skip
 
     def blank_target(self, n: int, size: int, device: torch.device) -> list[dict[str, Any]]:
         empty = {"boxes": torch.zeros(0, 4, device=device),

@@ -9,6 +9,8 @@ other families': every image once per epoch and in evaluation, at any world size
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from torchvision.transforms import v2
 
 from ddp_utils.config import DetectionData, DetFolderData, DigitsDetData, VOCDetData
@@ -39,6 +41,24 @@ def voc_source(cfg: DetectionData, split: str, rt: Runtime):
 
 
 SOURCES = {DigitsDetData: canvas_source, DetFolderData: coco_source, VOCDetData: voc_source}
+
+
+def coco_class_count(cfg: DetFolderData) -> int:
+    from ddp_utils.data.detection.coco import class_count
+
+    return class_count(cfg)
+
+
+# What data.num_classes is when it is left null: the classes the data names, and the background.
+CLASS_COUNTS = {DetFolderData: coco_class_count, VOCDetData: lambda cfg: len(cfg.classes) + 1}
+
+
+def resolve(cfg: DetectionData, rt: Runtime) -> DetectionData:
+    """Every rank: ``data.num_classes`` from the data when it is null (a value given is
+    checked against the data when the annotations are read)."""
+    if cfg.num_classes is not None:
+        return cfg
+    return replace(cfg, num_classes=by_schema(CLASS_COUNTS, cfg)(cfg))
 
 
 def det_dataset(source, cfg: DetectionData, train: bool, seed: int) -> SeededTransform:

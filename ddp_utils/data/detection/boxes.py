@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 from torchvision import tv_tensors
-from torchvision.io import ImageReadMode, decode_image
 
 from ddp_utils.config import ConfigError
+from ddp_utils.data.imagefolder import decode
 
 EDGE_SLACK = 1.0  # pixels a box may pass its image's border by (annotation tools round)
 
@@ -51,15 +51,15 @@ class BoxFiles:
     """A split of image files with their boxes, read and decoded one sample at a time."""
 
     def __init__(self, items: list[Annotated], classes: list[str], channels: int) -> None:
-        self.items, self.classes = items, classes
-        self.mode = ImageReadMode.GRAY if channels == 1 else ImageReadMode.RGB
+        self.items, self.classes, self.channels = items, classes, channels
 
     def __len__(self) -> int:
         return len(self.items)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         item = self.items[i]
-        pixels = decode_image(str(item.file), mode=self.mode)
+        # The image folders' conversion: 16-bit, palette and alpha images become uint8 grey/RGB.
+        pixels = decode(str(item.file), self.channels)
         boxes = torch.tensor([b[0] for b in item.boxes], dtype=torch.float32).reshape(-1, 4)
         size = (int(pixels.shape[-2]), int(pixels.shape[-1]))
         return pixels, {
@@ -67,11 +67,3 @@ class BoxFiles:
             "labels": torch.tensor([b[1] for b in item.boxes], dtype=torch.int64),
             "iscrowd": torch.tensor([b[2] for b in item.boxes], dtype=torch.int64),
         }
-
-
-def check_classes(found: int, num_classes: int, where: str) -> None:
-    if num_classes != found + 1:
-        raise ConfigError(
-            f"{where} has {found} classes, so data.num_classes={found + 1} (with the "
-            f"background); it is {num_classes}."
-        )

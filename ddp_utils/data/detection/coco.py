@@ -5,7 +5,8 @@
     ROOT/annotations/val.json       (data.train_annotations, data.val_annotations)
 
 A box is COCO's ``[x, y, width, height]`` in pixels, read as xyxy. The categories, sorted by
-id, are labels 1..K (0 is the background), so ``data.num_classes`` is K + 1. Images without
+id, are labels 1..K (0 is the background), so ``data.num_classes`` is K + 1 (null: read from
+the validation annotations, and the training file's categories checked against it). Images without
 boxes are kept; a box with ``iscrowd: 1`` is left out of training and marked for the mAP,
 which neither rewards nor punishes detections of it (COCO's rule). Every malformed input stops
 before training with the file, the annotation and the fix: a box outside its image or of zero
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ddp_utils.config import ConfigError, DataConfig
-from ddp_utils.data.detection.boxes import Annotated, BoxFiles, check_classes, check_xyxy, fail
+from ddp_utils.data.detection.boxes import Annotated, BoxFiles, check_xyxy, fail
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -64,6 +65,13 @@ def check_box(ann: dict[str, Any], image: dict[str, Any], path: Path) -> list[fl
     return check_xyxy([x, y, x + w, y + h], width, height, path, where, bbox)
 
 
+def class_count(cfg: DataConfig) -> int:
+    """K + 1: the validation file's categories and the background (the smaller file: both
+    files are checked against it when read)."""
+    path = Path(cfg.root) / cfg.val_annotations
+    return len(category_labels(read_json(path), path)[1])
+
+
 class CocoSource(BoxFiles):
     """One split of a COCO folder."""
 
@@ -72,7 +80,12 @@ class CocoSource(BoxFiles):
         path = root / (cfg.train_annotations if split == "train" else cfg.val_annotations)
         doc = read_json(path)
         labels, classes = category_labels(doc, path)
-        check_classes(len(classes) - 1, cfg.num_classes, str(path))
+        if cfg.num_classes != len(classes):
+            val = root / cfg.val_annotations
+            raise fail(path, f"has {len(classes) - 1} categories, so data.num_classes="
+                       f"{len(classes)} (with the background); it is {cfg.num_classes}",
+                       "Give the annotation files the same categories (data.num_classes=null "
+                       f"counts those of {val}), or set data.num_classes to match.")  # fmt: skip
         folder = root / cfg.images_dir
         images = self.index_images(doc, path, folder)
         items = {key: Annotated(folder / image["file_name"]) for key, image in images.items()}
