@@ -9,13 +9,14 @@ from __future__ import annotations
 import atexit
 import contextlib
 import gc
+import itertools
 import json
 import os
 import re
 import signal
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -364,6 +365,29 @@ def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t
+
+
+_main_waits = itertools.count()  # the same sequence on every rank: one key per call
+MAIN_WAIT_POLL_S = 0.2
+
+
+def main_rank_runs(rt: Runtime, work: Callable[[], Any]) -> Any:
+    """The main rank runs ``work`` (its result is returned there, None elsewhere) while the
+    others wait for it as long as it takes: a first listing of a million files can outlast
+    ``trainer.timeout_s``, which would end a collective wait. They poll the group's store
+    instead; if the main rank dies meanwhile, the launcher (torchrun, srun) ends the job."""
+    key = f"ddp_recipes/main_done/{next(_main_waits)}"
+    if rt.world_size == 1 or not dist.is_initialized():
+        return work() if rt.is_main else None
+    store = _GROUP_STORE[0] if _GROUP_STORE else dist.distributed_c10d._get_default_store()
+    if rt.is_main:
+        try:
+            return work()
+        finally:
+            store.set(key, b"1")
+    while not store.check([key]):
+        time.sleep(MAIN_WAIT_POLL_S)
+    return None
 
 
 @contextlib.contextmanager

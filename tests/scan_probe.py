@@ -1,11 +1,14 @@
 """Launched under torchrun by test_one_scan_per_job: builds the data of an image folder on
 every rank, twice, and writes, per rank and build, how often it listed the folder or read the
-cached index."""
+cached index. Each listing is slowed by SCAN_DELAY_S, past the collectives' timeout
+(COLLECTIVE_TIMEOUT_S): the other ranks must wait for it all the same."""
 
 from __future__ import annotations
 
 import json
 import sys
+import time
+from datetime import timedelta
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -15,12 +18,14 @@ from ddp_utils.config import ImageFolderData, TrainerConfig  # noqa: E402
 from ddp_utils.data import build_data, cache, imagefolder  # noqa: E402
 from ddp_utils.dist import init_distributed, shutdown  # noqa: E402
 
+COLLECTIVE_TIMEOUT_S, SCAN_DELAY_S = 2.0, 4.0
 counts = {"scans": 0, "cache_reads": 0}
 real_scan, real_read = imagefolder.scan, cache.read_cache
 
 
 def counting_scan(*args):
     counts["scans"] += 1
+    time.sleep(SCAN_DELAY_S)  # a listing of a slow or very large folder
     return real_scan(*args)
 
 
@@ -33,7 +38,11 @@ imagefolder.scan, cache.read_cache = counting_scan, counting_read
 
 if __name__ == "__main__":
     root, out = sys.argv[1], Path(sys.argv[2])
+    import torch.distributed as dist
+
     rt = init_distributed(TrainerConfig(device="cpu"))
+    dist.barrier()  # all started: from here on a collective waits COLLECTIVE_TIMEOUT_S at most
+    dist.distributed_c10d.set_timeout(timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     cfg = ImageFolderData(root=root, in_channels=1, image_size=8, num_workers=0, mean=[0.3],
                           std=[0.38])  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)

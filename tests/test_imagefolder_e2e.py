@@ -149,7 +149,8 @@ def test_a_custom_data_set_trains_and_evaluates(tmp_path):
 
 def test_one_scan_per_job(folder, tmp_path):
     """Global rank 0 lists the folder; the other ranks read its cached index; a later job
-    (here: the probe's second build) lists nothing."""
+    (here: the probe's second build) lists nothing. Each listing takes twice the collectives'
+    timeout (the probe's): the others wait for it without a collective."""
     fresh = tmp_path / "fresh"
     shutil.copytree(folder, fresh, ignore=shutil.ignore_patterns(".ddp_recipes_cache"))
     run_script("tests/scan_probe.py", str(fresh), str(tmp_path), nproc=3)

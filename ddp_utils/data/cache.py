@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ddp_utils.config import ConfigError
-from ddp_utils.dist import Runtime, any_rank, broadcast_object
+from ddp_utils.dist import Runtime, any_rank, broadcast_object, main_rank_runs
 from ddp_utils.files import atomic_save
 
 
@@ -57,14 +57,16 @@ def shared_cache(
     path, its source key and how to build it. The other ranks read the file rank 0 wrote;
     where one cannot see it, rank 0 sends the contents. A ConfigError of rank 0's (a bad
     folder) is raised on every rank."""
-    contents, where, error = None, None, None
-    if rt.is_main:
+
+    def build_on_main() -> tuple[dict[str, Any] | None, tuple[str, str] | None, str | None]:
         try:
             path, key, build = locate()
-            contents, _ = cached(path, key, build)
-            where = (str(path), key)
+            return cached(path, key, build)[0], (str(path), key), None
         except ConfigError as e:
-            error = str(e)
+            return None, None, str(e)
+
+    # No collective waits on the build: it may take longer than trainer.timeout_s.
+    contents, where, error = main_rank_runs(rt, build_on_main) or (None, None, None)
     where, error = broadcast_object((where, error))
     if error:
         raise ConfigError(error)
