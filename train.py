@@ -11,8 +11,8 @@ A sweep, every job on all ranks (or each job as its own torchrun job):
     python train.py -m hydra/launcher=torchrun hydra.launcher.nproc_per_node=2 optim.lr=0.1,0.01
 An Optuna search (hydra/sweeper=optuna), every rank on rank 0's trial:
     torchrun --standalone --nproc_per_node=2 train.py -m +hparams_search=digits_optuna
-Many nodes (run on each):
-    torchrun --nnodes=4 --nproc_per_node=8 --rdzv-backend=c10d \
+Many nodes (run on each; docs/multinode.md):
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes=4 --nproc_per_node=8 --rdzv-backend=c10d \
         --rdzv-endpoint=HOST:PORT --rdzv-id=JOB train.py
 """
 

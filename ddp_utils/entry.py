@@ -216,6 +216,9 @@ def report_failed_sweep(error: Exception) -> NoReturn:
     code = getattr(error, "exit_code", USER_ERROR_EXIT) if isinstance(error, ConfigError) else 1
     if isinstance(error, ConfigError) and not failed:  # the sweep's own: before or after jobs
         report(str(error), code)
+    if not total:  # Hydra's own, before any job (a group override it cannot sweep, ...)
+        report(f"the sweep stopped before its first job: {hydra_error_paragraph(error)}",
+               USER_ERROR_EXIT)  # fmt: skip
     report(f"{failed} of {total} sweep jobs failed; see {sweep_dir / 'summary.csv'}", code)
 
 

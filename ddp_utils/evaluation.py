@@ -99,7 +99,7 @@ def run_eval(cfg: DictConfig, implied: Sequence[str] = ()) -> dict[str, Any]:
     model.to(rt.device, memory_format=memory_format_of(channels_last))
     metrics = build_metrics(train_cfg.task, task, rt.device)
     # A head for another class count, or a metric that cannot take its output, stops here.
-    check_task(task, model, metrics, train_cfg, rt.device)
+    check_task(task, model, metrics, train_cfg, rt.device, amp_context(precision, rt.device))
     watchdog = StepWatchdog(train_cfg.trainer.timeout_s, rt.rank)
     try:
         result = evaluate(model, loader, preprocess, rt, task, metrics,

@@ -31,9 +31,10 @@ from torchmetrics import Metric, MetricCollection
 from torchmetrics.utilities.data import dim_zero_max, dim_zero_min, dim_zero_sum
 
 from ddp_utils.config import ConfigError, TaskConfig
+from ddp_utils.data.samplers import EvalShardSampler
 from ddp_utils.dist import Runtime, all_reduce_max
 from ddp_utils.targets import why
-from ddp_utils.tasks import Task
+from ddp_utils.tasks.base import Batch, Task
 from ddp_utils.watchdog import StepWatchdog
 
 
@@ -84,17 +85,14 @@ def build_metrics(cfg: TaskConfig, task: Task, device: torch.device) -> MetricCo
     return MetricCollection(metrics, compute_groups=False).to(device)
 
 
-def lockstep_rounds(batches: int, rt: Runtime) -> int:
-    """The most batches any rank's shard holds; ConfigError on every rank when some rank has
-    none (it would have no batch to repeat)."""
-    most, fewest = all_reduce_max(torch.tensor([batches, -batches], device=rt.device)).tolist()
-    if most and not -fewest:
-        raise ConfigError(
-            f"the evaluation set leaves a rank without a batch at world size {rt.world_size}, "
-            "and a sharded model needs every rank in every forward: evaluate on fewer "
-            "processes, or with a larger set."
-        )
-    return int(most)
+def lockstep_pad(loader: Any, task: Task, rt: Runtime) -> int:
+    """How many forwards this rank adds after its shard so that every rank runs as many as the
+    busiest (a sharded model's every forward is a collective): from each rank's canonical
+    batch sizes, before any forward."""
+    sampler = getattr(loader, "sampler", None)
+    sizes = sampler.batch_sizes() if isinstance(sampler, EvalShardSampler) else [1] * len(loader)
+    mine = sum(task.eval_forwards(n) for n in sizes)
+    return int(all_reduce_max(torch.tensor([mine], device=rt.device)).item()) - mine
 
 
 _ORDER_FREE = {dim_zero_max: dist.ReduceOp.MAX, dim_zero_min: dist.ReduceOp.MIN}
@@ -221,6 +219,7 @@ def evaluate(
     watchdog: StepWatchdog | None = None,
     skip_bad: bool = False,
     lockstep: bool = False,
+    blank: Callable[[], Batch] | None = None,
 ) -> dict[str, Any]:
     """Score ``model`` (the unwrapped module) on the sharded ``loader``; same result on all ranks.
 
@@ -229,8 +228,9 @@ def evaluate(
     batch (not the final sync, where a rank waits for a slower one). ``task.eval_step`` updates
     the metrics and gives the loss; with ``skip_bad`` unreadable images (``BAD_LABEL``) may be
     in a batch: they are counted apart and kept out of both. With ``lockstep`` (a sharded
-    model, whose every forward is a collective) a rank whose shard ends early repeats its last
-    batch's forward, uncounted (``task.idle_forward``), until every rank is done.
+    model, whose every forward is a collective) a rank whose shard ends early runs forwards of
+    its last batch (or of ``blank()``'s, with none), uncounted (``task.idle_forward``), until
+    every rank has run as many.
     """
     was_training = model.training
     model.eval()
@@ -238,7 +238,7 @@ def evaluate(
     order = BatchOrder(metrics)
     beat = watchdog.beat if watchdog is not None else lambda phase: None
     beat("val")
-    rounds = lockstep_rounds(len(loader), rt) if lockstep else len(loader)
+    pad = lockstep_pad(loader, task, rt) if lockstep else 0
     batch = None
     for j, (images, target) in enumerate(loader):
         # Skipped images are counted apart, left out of the loss and the metrics.
@@ -253,7 +253,10 @@ def evaluate(
                         torch.stack([loss_sum.double(), n.double(), n_bad.double(),
                                      (batch.size - n_bad).double()]))  # fmt: skip
         beat("val")
-    for _ in range(rounds - len(loader)):
+    if pad and batch is None:
+        assert blank is not None, "a lockstep evaluation needs a blank batch for an empty shard"
+        batch = blank()
+    for _ in range(pad):
         with amp():
             task.idle_forward(model, batch)
     if watchdog is not None:

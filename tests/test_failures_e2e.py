@@ -105,6 +105,15 @@ def test_every_mistake_is_one_paragraph_and_exit_code_2(tmp_path):
     assert not (afile / "run").exists()
 
 
+def test_a_sweep_hydra_cannot_start_is_one_paragraph(tmp_path):
+    proc = run_forked("train.py", "-m", "experiment=null,lm_char", cwd=tmp_path)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2, proc.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: the sweep stopped before its first "
+                                                   "job: "), lines  # fmt: skip
+    assert "Config group override must be a string or a list" in lines[0]
+
+
 def test_under_torchrun_a_mistake_and_cfg_print_once(tmp_path):
     proc = run_script("train.py", "optim.lrr=0.1", nproc=2, check=False)
     assert proc.returncode != 0

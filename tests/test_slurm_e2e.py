@@ -62,9 +62,12 @@ def controller_ports() -> int:
 
 def start_cluster(folder: Path) -> tuple[dict[str, str], str]:
     """(environment, "") once the cluster runs, or (environment, what went wrong)."""
-    env = child_env(PATH=os.pathsep.join([str(Path(sys.executable).parent), SBIN]),
+    # The project's Python is not on PATH: the sbatch scripts find ROOT/.venv themselves (VENV
+    # names it where the tests run from another environment).
+    venv = {} if Path(sys.prefix) == ROOT / ".venv" else {"VENV": sys.prefix}
+    env = child_env(PATH=os.pathsep.join(["/usr/local/bin", "/usr/bin", "/bin", SBIN]),
                     LOCAL_SLURM_PORT=str(controller_ports()),
-                    SLURM_CONF=str(folder / "slurm.conf"))  # fmt: skip
+                    SLURM_CONF=str(folder / "slurm.conf"), **venv)  # fmt: skip
     proc = subprocess.run([CLUSTER, "start", folder], env=env, capture_output=True, text=True,
                           timeout=120)  # fmt: skip
     if proc.returncode == 0:

@@ -5,6 +5,7 @@ warning)."""
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 import torch
@@ -52,3 +53,54 @@ def test_a_users_mistake_in_the_model_is_raised_as_on_the_main_rank(caplog):
     with caplog.at_level(logging.WARNING), pytest.raises(ConfigError, match="model.width"):
         fsdp2(1).build(make)
     assert "meta device" not in caplog.text
+
+
+def test_units_skip_containers_without_a_forward():
+    """fully_shard refuses a ModuleList: its modules are the units instead (the segmentation
+    ConvNet keeps its stages in one)."""
+    from ddp_utils.config import DigitsSegData, SegConvNetModel
+    from ddp_utils.models import build_model
+    from ddp_utils.strategy.base import model_units
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stages = nn.ModuleList([nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 2))])
+            self.heads = nn.ModuleDict({"a": nn.Linear(2, 1)})
+            self.head = nn.Linear(2, 2)
+
+    net = Net()
+    units = model_units(net, None, "trainer.fsdp.wrap")
+    assert units == [net.stages[0], net.stages[1], net.heads["a"], net.head]
+    assert not any(isinstance(u, nn.ModuleList | nn.ModuleDict) for u in units)
+    with pytest.raises(ConfigError, match="no module of these classes"):
+        model_units(net, ["ModuleList"], "trainer.fsdp.wrap")
+    seg = build_model(SegConvNetModel(), DigitsSegData(), 4)
+    assert all(type(u).forward is not nn.Module.forward
+               for u in model_units(seg, None, "trainer.fsdp.wrap"))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "strategy,key,value,message",
+    [
+        ("fsdp2", "ddp.comm_hook", "fp16", "trainer.ddp.comm_hook=fp16 is trainer.strategy=ddp's"),
+        ("fsdp2", "sync_bn", True, "trainer.sync_bn=true is trainer.strategy=ddp's"),
+        (
+            "ddp",
+            "fsdp.cpu_offload",
+            True,
+            "trainer.fsdp.cpu_offload=true is trainer.strategy=fsdp2",
+        ),
+    ],
+)
+def test_a_strategy_refuses_the_keys_of_another_by_name(strategy, key, value, message):
+    from omegaconf import OmegaConf
+
+    from ddp_utils.strategy import build_strategy
+
+    trainer = OmegaConf.structured(TrainerConfig(strategy=strategy))
+    OmegaConf.update(trainer, key, value)
+    rt = Runtime(0, 0, 1, 1, torch.device("cpu"), "gloo")
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        build_strategy(OmegaConf.to_object(trainer), rt)
+    build_strategy(TrainerConfig(strategy=strategy), rt)  # the defaults pass

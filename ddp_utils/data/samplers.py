@@ -39,14 +39,18 @@ class EvalShardSampler(Sampler[int]):
         """The canonical batch numbers this rank evaluates, in its order."""
         return range(self.rank, math.ceil(self.length / self.batch_size), self.world_size)
 
+    def batch_sizes(self) -> list[int]:
+        """The sizes of this rank's batches, in its order (the data set's last may be short)."""
+        b = self.batch_size
+        return [min((k + 1) * b, self.length) - k * b for k in self.batches()]
+
     def __iter__(self) -> Iterator[int]:
         b = self.batch_size
         for k in self.batches():
             yield from range(k * b, min((k + 1) * b, self.length))
 
     def __len__(self) -> int:
-        b = self.batch_size
-        return sum(min((k + 1) * b, self.length) - k * b for k in self.batches())
+        return sum(self.batch_sizes())
 
 
 def eval_sampler(length: int, cfg: DataConfig, rt: Runtime) -> EvalShardSampler:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import OmegaConf
 from torch import nn
 
 from ddp_utils.checkpoint import SHARDED_DIR, read_sharded, save_training_checkpoint
@@ -23,10 +24,12 @@ def model_units(model: nn.Module, wrap: list[str] | None, key: str) -> list[nn.M
     """The model's units (what fsdp2 shards before the root, what activation checkpointing
     recomputes), innermost first. ``wrap``: by class name; else the
     model's ``fsdp_units()``; else its top-level children that hold parameters of their own
-    (one sharing a parameter with another, such as a tied embedding, stays with the root)."""
+    (one sharing a parameter with another, such as a tied embedding, stays with the root; a
+    container without a forward, such as a ModuleList, gives its children instead)."""
     if wrap is not None:
         names = set(wrap)
-        units = [m for m in model.modules() if type(m).__name__ in names and m is not model]
+        units = [m for m in model.modules()
+                 if type(m).__name__ in names and m is not model and has_forward(m)]  # fmt: skip
         if not units:
             present = sorted({type(m).__name__ for m in model.modules()})
             raise ConfigError(
@@ -37,12 +40,26 @@ def model_units(model: nn.Module, wrap: list[str] | None, key: str) -> list[nn.M
         return list(reversed(units))  # children before the blocks that hold them
     if hasattr(model, "fsdp_units"):
         return list(model.fsdp_units())
-    children = [c for c in model.children() if any(True for _ in c.parameters())]
+    children = [c for c in forward_children(model) if any(True for _ in c.parameters())]
     owners: dict[int, int] = {}
     for c in children:
         for p in c.parameters():
             owners[id(p)] = owners.get(id(p), 0) + 1
     return [c for c in children if all(owners[id(p)] == 1 for p in c.parameters())]
+
+
+def has_forward(module: nn.Module) -> bool:
+    """Whether ``module`` runs as a unit (``ModuleList``, ``ModuleDict`` only hold modules)."""
+    return type(module).forward is not nn.Module.forward
+
+
+def forward_children(model: nn.Module) -> list[nn.Module]:
+    """``model``'s children, a container without a forward replaced by its own children
+    (recursively): ``fully_shard`` and activation checkpointing wrap a forward."""
+    found = []
+    for child in model.children():
+        found += [child] if has_forward(child) else forward_children(child)
+    return found
 
 
 def checkpoint_activations(model: nn.Module, units: list[nn.Module]) -> None:
@@ -63,6 +80,38 @@ def checkpoint_activations(model: nn.Module, units: list[nn.Module]) -> None:
     )
 
 
+# The trainer keys that only some strategies read, and the built-in one that does: a strategy
+# that does not read one refuses a value other than its default (a silent no-op otherwise).
+STRATEGY_KEYS = {
+    "ddp.comm_hook": "ddp", "ddp.powersgd_rank": "ddp", "ddp.powersgd_start_iter": "ddp",
+    "sync_bn": "ddp", "bucket_cap_mb": "ddp", "gradient_as_bucket_view": "ddp",
+    "static_graph": "ddp", "fsdp.reshard_after_forward": "fsdp2", "fsdp.cpu_offload": "fsdp2",
+}  # fmt: skip
+
+
+def refuse_unread_keys(trainer: TrainerConfig, reads: tuple[str, ...]) -> None:
+    """ConfigError naming the first strategy key set away from its default that ``reads``
+    leaves out."""
+    default = TrainerConfig()
+    for key, owner in STRATEGY_KEYS.items():
+        if key in reads:
+            continue
+        value, was = (OmegaConf.select(OmegaConf.structured(c), key) for c in (trainer, default))
+        if value != was:
+            raise ConfigError(
+                f"trainer.{key}={shown(value)} is trainer.strategy={owner}'s; this run's "
+                f"trainer.strategy={trainer.strategy} does not use it. Drop the override "
+                f"(trainer.{key}={shown(was)}), or train with trainer.strategy={owner}."
+            )
+
+
+def shown(value: Any) -> str:
+    """A value as a command-line override writes it."""
+    if isinstance(value, bool) or value is None:
+        return "null" if value is None else str(value).lower()
+    return str(value)
+
+
 class Strategy:
     """One per run, built from ``trainer.*`` and the runtime. ``wrap`` is called once with the
     model as built (``raw_model``, the module checkpoints and evaluation know); ``model`` is
@@ -76,7 +125,11 @@ class Strategy:
     # are sharded folders (ddp_utils.checkpoint.save_sharded).
     shards_parameters: bool = False
 
+    # Which of STRATEGY_KEYS this strategy reads (the others must keep their defaults).
+    reads: tuple[str, ...] = ()
+
     def __init__(self, trainer: TrainerConfig, rt: Runtime) -> None:
+        refuse_unread_keys(trainer, self.reads)
         self.trainer, self.rt = trainer, rt
         self.model: nn.Module | None = None
         self.raw_model: nn.Module | None = None
@@ -85,6 +138,11 @@ class Strategy:
         """The model ``make`` builds (every rank calls it, seeded alike): where its weights
         are first made is the strategy's choice."""
         return make()
+
+    def whole_model(self) -> nn.Module | None:
+        """Every rank calls it: the trained model whole on the main rank (None elsewhere), for
+        what the main rank alone computes with it (the pictures of predictions)."""
+        return self.raw_model if self.rt.is_main else None
 
     def wrap(self, raw_model: nn.Module) -> nn.Module:
         """Place ``raw_model`` on the device (in the trainer's memory format), distribute it,

@@ -31,6 +31,8 @@ def compression_hook(name: str) -> object:
 
 
 class DDPStrategy(Strategy):
+    reads = ("ddp.comm_hook", "ddp.powersgd_rank", "ddp.powersgd_start_iter", "sync_bn",
+             "bucket_cap_mb", "gradient_as_bucket_view", "static_graph")  # fmt: skip
     powersgd: PowerSGD | None = None
 
     def prepare(self, raw_model: nn.Module) -> nn.Module:

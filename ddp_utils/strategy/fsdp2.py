@@ -100,12 +100,14 @@ def fixed_mmap_threshold(nbytes: int = 1 << 20) -> None:
 class FSDP2Strategy(Strategy):
     lockstep_eval = True
     shards_parameters = True
+    reads = ("fsdp.reshard_after_forward", "fsdp.cpu_offload")
 
     def build(self, make: Callable[[], nn.Module]) -> nn.Module:
         """The main rank builds the model whole, in host memory; every other rank on the meta
         device, which allocates nothing: its shards are filled with the main rank's weights
         after sharding (``distribute``), so the weights are the ones DDP would train. A model
         that cannot be built on the meta device is built whole on every rank."""
+        self.make = make
         if self.rt.is_main:
             return make()
         try:
@@ -117,6 +119,17 @@ class FSDP2Strategy(Strategy):
             log.warning("the model could not be built on the meta device (%s): built whole "
                         "on every rank instead", e)  # fmt: skip
             return make()
+
+    def whole_model(self) -> nn.Module | None:
+        """The shards gathered into a new model on the main rank, in host memory first (a
+        forward of the sharded model there alone would wait for the other ranks)."""
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_model_state_dict(self.raw_model, options=options)  # every rank
+        if not self.rt.is_main:
+            return None
+        whole = self.make()
+        whole.load_state_dict(state)
+        return whole.to(self.rt.device, memory_format=memory_format_of(self.trainer.channels_last))
 
     def place(self, raw_model: nn.Module) -> None:
         """Nothing moves whole onto the device: ``fully_shard`` moves each unit's shards."""
@@ -150,18 +163,27 @@ class FSDP2Strategy(Strategy):
     def shard(self, module: nn.Module, mesh: Any) -> None:
         opts = self.trainer.fsdp
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.trainer.precision)
-        kwargs = {
-            "reshard_after_forward": opts.reshard_after_forward,
-            # Parameters gathered in the autocast dtype, gradients reduced in fp32 (full
-            # precision: both None, FSDP2's default).
-            "mp_policy": MixedPrecisionPolicy(
-                param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None
-            ),
-            "offload_policy": CPUOffloadPolicy() if opts.cpu_offload else OffloadPolicy(),
-        }
+        # Parameters gathered in the autocast dtype, gradients reduced in fp32 (full precision:
+        # both None, FSDP2's default). The units' inputs are left as they are: autocast casts
+        # what its ops compute in the lower dtype, and a detector's target boxes, an input
+        # too, must stay float32.
+        mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None,
+                                  cast_forward_inputs=False)  # fmt: skip
+        offload = CPUOffloadPolicy() if opts.cpu_offload else OffloadPolicy()
+        kwargs = {"reshard_after_forward": opts.reshard_after_forward, "offload_policy": offload}
+        # BatchNorm's running statistics are buffers, which FSDP never casts: in the autocast
+        # dtype its weights would meet float32 statistics, which the kernels refuse in eval
+        # mode. Units of their own keep them in float32 (as under DDP's autocast).
+        batch_norm = nn.modules.batchnorm._BatchNorm
+        norms = [m for m in module.modules() if dtype is not None and isinstance(m, batch_norm)]
+        full = MixedPrecisionPolicy(reduce_dtype=torch.float32, cast_forward_inputs=False)
+        for norm in norms:
+            fully_shard(norm, mesh=mesh, mp_policy=full, **kwargs)
         for unit in model_units(module, opts.wrap, "trainer.fsdp.wrap"):
-            fully_shard(unit, mesh=mesh, **kwargs)
-        fully_shard(module, mesh=mesh, **kwargs)
+            if not any(unit is norm for norm in norms):  # a unit of its own already
+                fully_shard(unit, mesh=mesh, mp_policy=mp, **kwargs)
+        if not any(module is norm for norm in norms):
+            fully_shard(module, mesh=mesh, mp_policy=mp, **kwargs)
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -7,8 +7,10 @@ metrics; ``task=custom task._target_=pkg.module.MyTask +task.NAME=VALUE`` builds
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -116,12 +118,26 @@ class _Checked(nn.Module):
         return out
 
 
+def blank_batch(task: Task, cfg: TrainConfig, device: torch.device, n: int = 1) -> Batch:
+    """``n`` blank samples of the data's shape, as the task feeds them to the model."""
+    memory_format = memory_format_of(cfg.trainer.channels_last)
+    inputs = task.blank_inputs(n, cfg.data, device, memory_format)
+    return Batch(inputs, task.blank_target(n, cfg.data.image_size, device), True)
+
+
 def check_task(
-    task: Task, model: nn.Module, metrics: Any, cfg: TrainConfig, device: torch.device
+    task: Task,
+    model: nn.Module,
+    metrics: Any,
+    cfg: TrainConfig,
+    device: torch.device,
+    amp: Callable[[], AbstractContextManager] = contextlib.nullcontext,
 ) -> None:
     """Before the first step (and in eval.py), one ``eval_step`` on blank images of the data's
     shape, in eval mode (nothing moves): the model takes ``data.image_size``, its output has the
-    task's shape, and every metric takes the batch; then the metrics are reset."""
+    task's shape, and every metric takes the batch; then the metrics are reset. Under ``amp``
+    (training's autocast): the forward runs as training's and validation's do (a sharded
+    model's parameters are already in the autocast dtype)."""
     memory_format = memory_format_of(cfg.trainer.channels_last)
     expected = task.output_shape(PROBE_BATCH)
 
@@ -130,11 +146,10 @@ def check_task(
             check_logits(task.logits(out), cfg.model, cfg.data, expected, task.output_keys())
 
     checked = _Checked(model, check)
-    inputs = task.blank_inputs(PROBE_BATCH, cfg.data, device, memory_format)
-    target = task.blank_target(PROBE_BATCH, cfg.data.image_size, device)
-    batch = Batch(inputs, target, True)
+    batch = blank_batch(task, cfg, device, PROBE_BATCH)
+    inputs = batch.inputs
     try:
-        with eval_mode(model):
+        with eval_mode(model), amp():
             returned = task.eval_step(checked, batch, _NamedUpdates(metrics))
             check_sums(task, model, batch, metrics, returned)
     except ConfigError:

@@ -109,9 +109,6 @@ class Task:
     # Whether train_loss runs on a model in eval mode, where the check before the first step
     # calls it (nothing moves there); torchvision's detectors make losses in training mode only.
     loss_in_eval_mode: bool = True
-    # Whether eval_step runs one forward a batch (the same number on every rank, up to the
-    # last: what a sharded model's lockstep evaluation counts on).
-    one_forward_a_batch: bool = True
 
     def to_batch(self, images: Any, target: Any, device: torch.device, preprocess: nn.Module,
                  skip_bad: bool = False, all_real: bool = False) -> Batch:  # fmt: skip
@@ -136,8 +133,13 @@ class Task:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
+    def eval_forwards(self, n: int) -> int:
+        """How many forwards ``eval_step`` runs on a batch of ``n`` samples, skipped ones
+        included: a sharded model's lockstep evaluation pads every rank to the most."""
+        return 1
+
     def idle_forward(self, model: nn.Module, batch: Batch) -> None:
-        """The forwards ``eval_step`` runs on ``batch``, their outputs dropped: a rank whose
+        """One forward of ``batch`` (or of a part of it), its output dropped: a rank whose
         evaluation shard ended early keeps a sharded model's collectives in step with it."""
         model(batch.inputs)
 

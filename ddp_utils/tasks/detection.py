@@ -84,7 +84,6 @@ class Detection(Task):
     mAP@75 and per-class AP (``map_per_class``)."""
 
     loss_in_eval_mode = False  # a torchvision detector gives losses in training mode only
-    one_forward_a_batch = False  # evaluated image by image (see eval_step)
 
     def __init__(self, num_classes: int, coco_summary: bool = False) -> None:
         self.num_classes, self.coco_summary = num_classes, coco_summary
@@ -106,6 +105,12 @@ class Detection(Task):
                                                  class_metrics=True,
                                                  print_summary=self.coco_summary)}  # fmt: skip
 
+    def eval_forwards(self, n: int) -> int:
+        return n  # one an image (eval_step)
+
+    def idle_forward(self, model: nn.Module, batch: Batch) -> None:
+        model([batch.inputs[0]])
+
     def blank_target(self, n: int, size: int, device: torch.device) -> list[dict[str, Any]]:
         empty = {"boxes": torch.zeros(0, 4, device=device),
                  "labels": torch.zeros(0, dtype=torch.int64, device=device)}  # fmt: skip
@@ -123,14 +128,15 @@ class Detection(Task):
     def eval_step(
         self, model: nn.Module, batch: Batch, metrics: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        images, targets = real_parts(batch, training=False)
-        if images:
-            # One image at a time, as torchvision's detection reference evaluates: some
-            # detectors' CPU kernels give an image other scores alone than in a batch, and the
-            # batches of a rank's shard change with the world size; alone, they never do.
-            predictions = [model([image])[0] for image in images]
+        _, targets = real_parts(batch, training=False)
+        # One image at a time, as torchvision's detection reference evaluates (some detectors'
+        # CPU kernels give an image other scores alone than in a batch), every image of the
+        # batch: a skipped one too, so that a sharded model's ranks run as many forwards.
+        predictions = [model([image])[0] for image in batch.inputs]
+        real = [p for p, t in zip(predictions, batch.target, strict=True) if sentinel_of(t) is None]
+        if real:
             metrics["map"].update([{k: v.float() if k != "labels" else v for k, v in p.items()}
-                                   for p in predictions], targets)  # fmt: skip
+                                   for p in real], targets)  # fmt: skip
         # Detectors score no loss in eval mode: the loss column holds 0, the count the images.
         return torch.zeros((), device=batch.real.device), batch.count()
 

@@ -34,7 +34,7 @@ from ddp_utils.run import (
     write_run_files,
     write_run_record,
 )
-from ddp_utils.tasks import draw_predictions
+from ddp_utils.tasks import blank_batch, draw_predictions
 from ddp_utils.tracking import TrackedRun, environment_text, peak_memory_mb
 from ddp_utils.train.callbacks import Callback, build_callbacks
 from ddp_utils.train.finite import diverged
@@ -211,7 +211,8 @@ def validate(tr: Training, model: nn.Module, prefix: str) -> dict[str, Any]:
     validation set; the full result (vectors too) goes to ``tr.validation[prefix]``."""
     val = evaluate(model, tr.data.val, tr.data.preprocess_eval, tr.rt, tr.task, tr.metrics,
                    tr.amp, tr.watchdog, skip_bad=skips_bad_images(tr.cfg.data),
-                   lockstep=tr.strategy.lockstep_eval)  # fmt: skip
+                   lockstep=tr.strategy.lockstep_eval,
+                   blank=lambda: blank_batch(tr.task, tr.cfg, tr.rt.device))  # fmt: skip
     tr.validation[prefix] = val
     numbers = scalars(val)
     if not skips_bad_images(tr.cfg.data):
@@ -310,7 +311,8 @@ def fit(
             try:
                 train_epochs(tr)
                 if (run.path / "metrics.jsonl").exists():
-                    write_on_main(run.path, rt, lambda: draw_pictures(tr))
+                    whole = tr.strategy.whole_model()  # every rank: a sharded model gathers
+                    write_on_main(run.path, rt, lambda: draw_pictures(tr, whole))
                 tr.trackers.finish(run_files(run.path))
                 write_on_main(run.path, rt, lambda: write_run_record(run.path, identity, True))
             except BaseException:
@@ -341,12 +343,13 @@ def run_files(run_dir: Path) -> list[Path]:
     return [p for p in [*named, *sorted(run_dir.glob("*.png"))] if p.is_file()]
 
 
-def draw_pictures(tr: Training) -> None:
-    """``curves.png`` and the task's predictions, once training is over (main rank)."""
+def draw_pictures(tr: Training, model: nn.Module) -> None:
+    """``curves.png`` and the task's predictions by the whole ``model``, once training is
+    over (main rank)."""
     from ddp_utils.plot import plot_runs  # matplotlib: imported only when drawing
 
     plot_runs([tr.run_dir], tr.run_dir / "curves.png")
-    draw_predictions(tr.task, tr.raw_model, tr.data.val.dataset, tr.data.preprocess_eval,
+    draw_predictions(tr.task, model, tr.data.val.dataset, tr.data.preprocess_eval,
                      tr.rt, tr.data.classes, tr.run_dir)  # fmt: skip
 
 

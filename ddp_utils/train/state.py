@@ -159,16 +159,10 @@ def build_training(cfg: TrainConfig, rt: Runtime, run_dir: Path, callbacks: Any)
     seed_everything(cfg.seed)
     task = build_task(cfg)
     strategy = build_strategy(t, rt)
-    if strategy.lockstep_eval and not task.one_forward_a_batch:
-        raise ConfigError(
-            f"trainer.strategy={t.strategy} runs the evaluation's forwards in step on every "
-            f"rank, which task={cfg.task.name} (a forward an image) cannot keep: train it "
-            "with trainer.strategy=ddp."
-        )
     strategy.wrap(strategy.build(lambda: build_model(cfg.model, cfg.data, task.num_outputs())))
     raw_model = strategy.raw_model
     metrics = build_metrics(cfg.task, task, rt.device)
-    check_task(task, raw_model, metrics, cfg, rt.device)
+    check_task(task, raw_model, metrics, cfg, rt.device, amp_context(t.precision, rt.device))
     seed_everything(cfg.seed + rt.rank)
     data = build_data(cfg.data, rt, seed=cfg.seed, channels_last=t.channels_last)
     check_batch_sizes(raw_model, data.train_sampler, cfg.data.batch_size, rt)
