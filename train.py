@@ -12,8 +12,8 @@ A sweep, every job on all ranks (or each job as its own torchrun job):
 An Optuna search (hydra/sweeper=optuna), every rank on rank 0's trial:
     torchrun --standalone --nproc_per_node=2 train.py -m +hparams_search=digits_optuna
 Many nodes (run on each; docs/multinode.md):
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes=4 --nproc_per_node=8 --rdzv-backend=c10d \
-        --rdzv-endpoint=HOST:PORT --rdzv-id=JOB train.py
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes=4 --nproc_per_node=8 \
+        --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT --rdzv-id=JOB train.py
 """
 
 import hydra
