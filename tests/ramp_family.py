@@ -43,7 +43,7 @@ def offered(cfg: RampData) -> dict:
 def build(cfg: RampData, rt, seed: int, channels_last) -> DataBundle:
     train_ds, val_ds = ramp(cfg.num_train, cfg, 0), ramp(cfg.num_val, cfg, 100)
     sampler = training_sampler(len(train_ds), cfg, rt, seed)
-    val_sampler = EvalShardSampler(len(val_ds), rt.world_size, rt.rank)
+    val_sampler = EvalShardSampler(len(val_ds), rt.world_size, rt.rank, cfg.batch_size)
     train = TensorLoader(train_ds, sampler, cfg.batch_size, rt.device)
     val = TensorLoader(val_ds, val_sampler, cfg.batch_size, rt.device)
     return image_bundle(cfg, rt, (train, val, sampler, None), False, channels_last)
@@ -51,5 +51,5 @@ def build(cfg: RampData, rt, seed: int, channels_last) -> DataBundle:
 
 def build_eval(cfg: RampData, rt, seed: int, channels_last) -> EvalData:
     ds = ramp(cfg.num_val, cfg, 100)
-    loader = TensorLoader(ds, EvalShardSampler(len(ds), rt.world_size, rt.rank), 4, rt.device)
+    loader = TensorLoader(ds, EvalShardSampler(len(ds), rt.world_size, rt.rank, 4), 4, rt.device)
     return image_eval(cfg, rt, loader, None, channels_last)
