@@ -375,3 +375,24 @@ def write_malicious_checkpoint(path: Path, marker: Path) -> Path:
     """A .pt whose unpickling would run ``touch marker``: loading it must be refused."""
     path.write_bytes(pickle.dumps({"model": _RunsCode(marker), "config": {}}))
     return path
+
+
+def _rank_result(rank: int, fn, world: int, store: str, out: str, args: tuple) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    result = fn(rank, world, *args)
+    if rank == 0:
+        Path(out).write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def in_gloo_group(fn, world: int, tmp_path: Path, *args):
+    """``fn(rank, world, *args)`` on every rank of a real gloo group of ``world`` processes;
+    rank 0's result (JSON-able) back here. ``fn`` is a module-level function (spawned)."""
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "rank0.json"
+    mp.spawn(_rank_result, args=(fn, world, str(tmp_path / "store"), str(out), args),
+             nprocs=world)  # fmt: skip
+    return json.loads(out.read_text())

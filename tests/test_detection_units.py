@@ -4,17 +4,15 @@ images)."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torchmetrics import MetricCollection
 
 pytest.importorskip(
     "faster_coco_eval", reason="mAP needs faster-coco-eval (make install: the [det] extra)"
 )
+
+from conftest import in_gloo_group  # noqa: E402
 
 from ddp_utils.config import DigitsDetData  # noqa: E402
 from ddp_utils.data.detection.canvases import DetCanvasSource, ink_box  # noqa: E402
@@ -78,15 +76,6 @@ def scored(rank: int, world: int, n: int) -> dict:
     return {k: v.tolist() for k, v in order.compute(metrics).items()}
 
 
-def score(rank: int, world: int, store: str, n: int, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    result = scored(rank, world, n)
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(result, f)
-    dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("world", [2, 3])
 def test_map_is_the_same_at_any_world_size_with_uneven_shards(world, tmp_path):
     """7 images in batches of 2: 4+3 and 3+2+2 images per rank. torchmetrics' own sync aborts
@@ -97,7 +86,5 @@ def test_map_is_the_same_at_any_world_size_with_uneven_shards(world, tmp_path):
     alone.update(preds, targets)
     expected = {k: v.tolist() for k, v in alone.compute().items()}
     assert scored(0, 1, 7) == expected
-    out = tmp_path / "result.json"
-    mp.spawn(score, args=(world, str(tmp_path / "store"), 7, str(out)), nprocs=world)
-    assert json.loads(out.read_text()) == expected
+    assert in_gloo_group(scored, world, tmp_path, 7) == expected
     assert 0 < expected["map"] < 1

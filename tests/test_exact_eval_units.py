@@ -5,12 +5,9 @@ scores a metric keeps (AUROC), counts and maxima."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from conftest import in_gloo_group
 from torchmetrics import MaxMetric, MeanMetric, MetricCollection
 from torchmetrics.classification import MulticlassAccuracy, MulticlassAUROC
 from torchmetrics.text import Perplexity
@@ -62,22 +59,11 @@ def evaluate(rank: int, world: int) -> dict:
     return result | {"loss": totals[0] / totals[1], "samples": totals[3]}
 
 
-def run(rank: int, world: int, store: str, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    result = evaluate(rank, world)
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(result, f)
-    dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("world", [2, 3])
 def test_every_metric_equals_world_size_1s_to_the_last_digit(world, tmp_path):
     alone = evaluate(0, 1)
     assert alone["samples"] == N
-    out = tmp_path / "result.json"
-    mp.spawn(run, args=(world, str(tmp_path / "store"), str(out)), nprocs=world)
-    assert json.loads(out.read_text()) == alone
+    assert in_gloo_group(evaluate, world, tmp_path) == alone
 
 
 def test_world_size_1_is_torchmetrics_own_number():

@@ -114,7 +114,7 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     seed: int = 0
-    run_dir: str | None = None  # null = outputs/<date>_<torchrun run id>
+    run_dir: str | None = None  # null = this command's unfinished run in outputs/, else a new one
     resume: str = "auto"  # auto | never | PATH of a checkpoint
     # Trackers: one name or a list of tensorboard | csv | mlflow | wandb | pkg.Class; none
     logger: Any = field(default_factory=lambda: ["tensorboard"])

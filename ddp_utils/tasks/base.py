@@ -176,3 +176,8 @@ class Task:
         """A picture of the model's predictions in ``out_dir`` (main rank, after training and
         in eval.py); None draws nothing."""
         return None
+
+    @property
+    def draws(self) -> bool:
+        """Whether ``draw`` draws anything (a sharded model is gathered whole for it)."""
+        return type(self).draw is not Task.draw

@@ -311,7 +311,8 @@ def fit(
             try:
                 train_epochs(tr)
                 if (run.path / "metrics.jsonl").exists():
-                    whole = tr.strategy.whole_model()  # every rank: a sharded model gathers
+                    # Every rank: a sharded model is gathered, for a task that draws only.
+                    whole = tr.strategy.whole_model() if tr.task.draws else None
                     write_on_main(run.path, rt, lambda: draw_pictures(tr, whole))
                 tr.trackers.finish(run_files(run.path))
                 write_on_main(run.path, rt, lambda: write_run_record(run.path, identity, True))
@@ -343,12 +344,14 @@ def run_files(run_dir: Path) -> list[Path]:
     return [p for p in [*named, *sorted(run_dir.glob("*.png"))] if p.is_file()]
 
 
-def draw_pictures(tr: Training, model: nn.Module) -> None:
+def draw_pictures(tr: Training, model: nn.Module | None) -> None:
     """``curves.png`` and the task's predictions by the whole ``model``, once training is
     over (main rank)."""
     from ddp_utils.plot import plot_runs  # matplotlib: imported only when drawing
 
     plot_runs([tr.run_dir], tr.run_dir / "curves.png")
+    if model is None:
+        return
     draw_predictions(tr.task, model, tr.data.val.dataset, tr.data.preprocess_eval,
                      tr.rt, tr.data.classes, tr.run_dir)  # fmt: skip
 
