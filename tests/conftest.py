@@ -27,13 +27,14 @@ needs_mnist = pytest.mark.skipif(
 
 # The longest files first: `make test` runs one file per CPU at a time (xdist --dist
 # loadfile), handed out in collection order, so starting with the long ones packs them best.
-LONGEST_FIRST = ("test_imagefolder_e2e", "test_resume_e2e", "test_slurm_e2e", "test_recipe_e2e",
+LONGEST_FIRST = ("test_fsdp2_e2e", "test_detection_e2e", "test_strategy_matrix_e2e",
+                 "test_imagefolder_e2e", "test_resume_e2e", "test_slurm_e2e", "test_recipe_e2e",
                  "test_full_disk_e2e",
                  "test_segmentation_e2e", "test_lm_e2e", "test_search_e2e",
                  "test_trackers_e2e",
                  "test_multinode_sweep_e2e", "test_failures_e2e", "test_metrics_e2e",
                  "test_user_view", "test_validation_e2e",
-                 "test_eval_e2e", "test_train_e2e")  # fmt: skip
+                 "test_eval_e2e", "test_relaunch_e2e", "test_train_e2e")  # fmt: skip
 
 
 def pytest_collection_modifyitems(items: list) -> None:
