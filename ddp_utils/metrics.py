@@ -140,8 +140,8 @@ class BatchOrder:
     def start_batch(self) -> None:
         for metric, attr in self.ordered:
             default = metric._defaults[attr]
-            fresh = [] if isinstance(default, list) else default.detach().clone()
-            setattr(metric, attr, fresh if isinstance(fresh, list) else fresh.to(metric.device))
+            fresh = [] if isinstance(default, list) else default.to(metric.device, copy=True)
+            setattr(metric, attr, fresh)
 
     def end_batch(self, k: int, totals: torch.Tensor) -> None:
         """Batch ``k`` (canonical number) is scored; ``totals`` are its loss and counts."""
