@@ -95,7 +95,11 @@ def clean_exit() -> Iterator[None]:
         sys.exit(stop.exit_code)  # the trainer logged the stop; relaunching resumes
     except StoppedEarly as stop:
         pass_on(stop.signum)
-        report(f"{stop}; relaunch the same command to start again", stop.exit_code)
+        # torchrun's SIGTERM to the survivors of a failed rank often lands while this rank
+        # is already unwinding from the lost collective: that loss is the cause to report.
+        if stop.__context__ is not None and lost_peer(stop.__context__) is not None:
+            stop_for_lost_peer(lost_peer(stop.__context__))
+        report(str(stop), stop.exit_code)
     except ConfigError as e:
         if in_sweep():
             raise  # Hydra records this job as failed and the sweep goes on to the next one
@@ -107,12 +111,16 @@ def clean_exit() -> Iterator[None]:
         why = lost_peer(e)
         if why is None or in_sweep():
             raise
-        # The failing rank printed its own message (and is torchrun's root cause): this rank
-        # adds one line, not the collective's traceback.
-        print(f"[rank {read_launch_env().rank}] stopping: {why} (its message says why)",
-              file=sys.stderr, flush=True)  # fmt: skip
-        time.sleep(NON_MAIN_EXIT_DELAY_S)  # the failing rank stays torchrun's first failure
-        sys.exit(PEER_LOST_EXIT)
+        stop_for_lost_peer(why)
+
+
+def stop_for_lost_peer(why: str) -> NoReturn:
+    """The failing rank printed its own message (and is torchrun's root cause): this rank
+    adds one line, not the collective's traceback, and exits after it."""
+    print(f"[rank {read_launch_env().rank}] stopping: {why} (its message says why)",
+          file=sys.stderr, flush=True)  # fmt: skip
+    time.sleep(NON_MAIN_EXIT_DELAY_S)  # the failing rank stays torchrun's first failure
+    sys.exit(PEER_LOST_EXIT)
 
 
 def user_errors(main: Callable[[], Any]) -> Callable[[], Any]:

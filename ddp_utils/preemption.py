@@ -33,15 +33,22 @@ class Preempted(Exception):
 
 
 class StoppedEarly(BaseException):
-    """A stop signal before the first training step: nothing to save, so it acts at once,
-    raised from the handler itself, which also breaks a call that blocks (a tracker's server
-    that never answers, a data check, a model probe). A BaseException, as KeyboardInterrupt:
-    the ``except Exception`` around a library call must not take it for that call's error."""
+    """A stop signal outside the training loop: before the first training step (nothing to
+    save) or while the run ends (after its last checkpoint, or after an error), so it acts at
+    once, raised from the handler itself, which also breaks a call that blocks (a tracker's
+    server that never answers, a data check, a model probe). A BaseException, as
+    KeyboardInterrupt: the ``except Exception`` around a library call must not take it for
+    that call's error."""
 
     def __init__(self, signum: int) -> None:
         name = signal.Signals(signum).name
-        super().__init__(f"stopped by {name} before the first training step; nothing was saved")
-        self.signum = signum
+        self.signum, self.trained = signum, _trained
+        if self.trained:
+            super().__init__(f"stopped by {name} while the run was ending; its checkpoints "
+                             "are kept; relaunch the same command to resume")  # fmt: skip
+        else:
+            super().__init__(f"stopped by {name} before the first training step; nothing was "
+                             "saved; relaunch the same command to start again")  # fmt: skip
 
     @property
     def exit_code(self) -> int:
@@ -49,6 +56,7 @@ class StoppedEarly(BaseException):
 
 
 _owner = os.getpid()  # the process whose handlers these are
+_trained = False  # whether this job's training loop has begun (StopRequest.begin)
 
 
 def _stop_now(signum: int, frame: FrameType | None) -> None:
@@ -62,8 +70,8 @@ def stop_signals_act_at_once() -> Iterator[None]:
     """Around a job: until the training loop takes the stop signals over (``StopRequest``),
     each one raises ``StoppedEarly`` where the process is. The handlers before are restored
     after, so ``pass_on`` still reaches submitit's."""
-    global _owner
-    _owner = os.getpid()
+    global _owner, _trained
+    _owner, _trained = os.getpid(), False
     previous = {s: signal.signal(s, _stop_now) for s in STOP_SIGNALS}
     try:
         yield
@@ -96,7 +104,8 @@ class StopRequest:
     def begin(self) -> None:
         """The training loop starts: from now on a signal is a checkpointed stop at the next
         step boundary, agreed by every rank."""
-        self.training = True
+        global _trained
+        self.training = _trained = True
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if not self.training:

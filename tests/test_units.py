@@ -465,3 +465,46 @@ def test_what_identifies_a_run_is_declared_by_its_options():
     keys = identity_keys(TrainConfig(data=Shapes()))
     assert {"data.sides", "data.num_train", "seed", "model."} <= set(keys)
     assert "data.batch_size" not in keys
+
+
+def _signal_inside(steps: list[str]) -> None:
+    """Inside clean_exit as a job runs it: the training loop begins if asked, then a lost
+    collective if asked, and SIGTERM arrives while that error unwinds (torchrun's stop of the
+    survivors)."""
+    import os
+    import signal
+    from datetime import timedelta
+
+    from ddp_utils.entry import clean_exit
+    from ddp_utils.preemption import StopRequest
+
+    with clean_exit():
+        stop = StopRequest(timedelta(seconds=5))
+        if "train" in steps:
+            stop.begin()
+        stop.close()  # the loop's handlers go, as tr.close() does after an error
+        try:
+            if "lost" in steps:
+                raise RuntimeError("Connection closed by peer [127.0.0.1]:1234")
+        finally:
+            os.kill(os.getpid(), signal.SIGTERM)  # its handler runs at the next bytecode
+
+
+@pytest.mark.parametrize(
+    ("steps", "code", "says"),
+    [
+        ((), 75, "error: stopped by SIGTERM before the first training step; nothing was saved"),
+        (("train",), 75, "error: stopped by SIGTERM while the run was ending; its checkpoints"),
+        (("train", "lost"), 1, "[rank 0] stopping: another rank is gone"),
+    ],
+)
+def test_a_stop_signal_outside_the_loop_names_what_happened(steps, code, says, capsys):
+    with (
+        mock.patch.dict("os.environ", {"RANK": "0"}),
+        mock.patch("ddp_utils.entry.NON_MAIN_EXIT_DELAY_S", 0),
+        mock.patch("ddp_utils.entry.write_error_file"),
+        pytest.raises(SystemExit) as exit_,
+    ):
+        _signal_inside(list(steps))
+    assert exit_.value.code == code
+    assert says in capsys.readouterr().err
