@@ -1,12 +1,18 @@
-"""One rank of a group started by tests/test_fsdp2_e2e.py (torchrun's variables set by the
-test): a small model sharded by trainer.strategy=fsdp2, three AdamW steps, a sharded
-checkpoint, then what train.py does at its end (every rank meets, then the group is torn
-down) and a normal interpreter exit, where gloo's threads once aborted
-("terminate called without an active exception")."""
+"""Groups of two ranks started by tests/test_fsdp2_e2e.py, one after another: each rank a
+process of its own (forked from this one, which imported torch and the package once, as
+torchrun's variables set), a small model sharded by trainer.strategy=fsdp2, three AdamW
+steps, a sharded checkpoint, then what train.py does at its end (every rank meets, then the
+group is torn down) and a normal interpreter exit (``sys.exit``: the finalizers and C++
+destructors run), where gloo's threads once aborted ("terminate called without an active
+exception"). ``python tests/fsdp_teardown.py DIR GROUPS`` exits non-zero naming the first
+group whose rank failed, with its stderr."""
 
 from __future__ import annotations
 
+import os
+import socket
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -18,9 +24,10 @@ sys.path.insert(0, str(ROOT))
 from ddp_utils.config import TrainerConfig  # noqa: E402
 from ddp_utils.dist import barrier, init_distributed, shutdown  # noqa: E402
 from ddp_utils.strategy import build_strategy  # noqa: E402
+from ddp_utils.strategy.fsdp2 import FSDP2Strategy  # noqa: E402, F401 - once, before the forks
 
 
-def main(run_dir: Path) -> None:
+def rank_main(run_dir: Path) -> None:
     trainer = TrainerConfig(strategy="fsdp2", precision="32", device="cpu", backend="gloo")
     rt = init_distributed(trainer)
     try:
@@ -39,5 +46,40 @@ def main(run_dir: Path) -> None:
         shutdown()
 
 
+def start_rank(rank: int, port: int, run_dir: Path, err) -> int:
+    pid = os.fork()
+    if pid:
+        return pid
+    os.dup2(err.fileno(), 2)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
+    code = 1
+    try:
+        rank_main(run_dir)
+        code = 0
+    finally:
+        sys.exit(code)  # the interpreter's own exit, not os._exit
+
+
+def main(root: Path, groups: int) -> int:
+    for i in range(groups):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        errs = [tempfile.TemporaryFile() for _ in range(2)]  # noqa: SIM115
+        pids = [start_rank(r, port, root / str(i), errs[r]) for r in range(2)]
+        for r, pid in enumerate(pids):
+            code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+            errs[r].seek(0)
+            err = errs[r].read().decode(errors="replace")
+            if code != 0 or "terminate called" in err:
+                print(f"group {i} rank {r}: exit {code}\n{err}", file=sys.stderr)
+                return 1
+        if not (root / str(i) / "checkpoints" / "step_00000003.dcp" / ".metadata").is_file():
+            print(f"group {i}: no sharded checkpoint", file=sys.stderr)
+            return 1
+    return 0
+
+
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    sys.exit(main(Path(sys.argv[1]), int(sys.argv[2])))
