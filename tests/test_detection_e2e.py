@@ -59,14 +59,15 @@ def test_a_sigkilled_detection_run_resumes_to_the_same_parameters(det_run, tmp_p
 
 def test_a_torchvision_detector_scores_the_same_at_world_sizes_1_2_3(tmp_path):
     """fasterrcnn_mobilenet_v3_large_320_fpn by name, a few steps at world size 2 (untrained
-    weights: the numbers only need to be the same), then eval.py at 1, 2 and 3 processes."""
+    weights: the numbers only need to be the same), then eval.py at 1, 2 and 3 processes, on
+    89 validation canvases (a prime: uneven shards)."""
     run = tmp_path / "run"
     run_script("train.py", "experiment=digits_detection", "model=torchvision_det",
-               "trainer.max_steps=6", "trainer.precision=32", f"run_dir={run}", nproc=2,
-               timeout=900)  # fmt: skip
+               "data.val_fraction=0.0495", "trainer.max_steps=6", "trainer.precision=32",
+               f"run_dir={run}", nproc=2, timeout=900)  # fmt: skip
     results = eval_at_world_sizes(run / "checkpoints" / "last.pt", tmp_path)
     base = results[None]
-    assert base["num_samples"] == 359
+    assert base["num_samples"] == 89
     for n, r in results.items():
         for key in MAP_KEYS:
             assert r[key] == base[key], (n, key)
@@ -75,7 +76,7 @@ def test_a_torchvision_detector_scores_the_same_at_world_sizes_1_2_3(tmp_path):
 
 def test_an_optuna_sweep_of_detection_in_bf16_with_ema_and_trackers(tmp_path):
     """Two trials (a grid over the learning rate) of the recipe at world size 2 in bf16 with
-    an EMA, logged to CSV and MLflow: each trial's objective is its best val/map, the trackers
+    an EMA, two validations each, logged to CSV and MLflow: each trial's objective is its best val/map, the trackers
     hold the scalar mAPs (map_per_class, a list, left out), and eval.py on best_ema.pt with
     ema=true gives the val_ema/map it was kept for."""
     pytest.importorskip("optuna")
@@ -85,8 +86,8 @@ def test_an_optuna_sweep_of_detection_in_bf16_with_ema_and_trackers(tmp_path):
                "hydra.sweeper.n_trials=2",
                "hydra.sweeper.sampler={_target_:optuna.samplers.GridSampler,seed:0,"
                "search_space:{optim.lr:[0.01,0.02]}}",
-               "hydra.sweeper.params={optim.lr:'choice(0.01,0.02)'}", "trainer.epochs=2",
-               "trainer.precision=bf16", "trainer.ema_decay=0.9", "trainer.ema_every_steps=4",
+               "hydra.sweeper.params={optim.lr:'choice(0.01,0.02)'}", "trainer.max_steps=16",
+               "trainer.val_every_steps=8", "data.val_fraction=0.0495", "trainer.precision=bf16", "trainer.ema_decay=0.9", "trainer.ema_every_steps=4",
                "trainer.save_best_ema=true", "logger=[csv,mlflow]", "trainer.progress=false",
                f"hydra.sweep.dir={sweep}", nproc=2, timeout=900)  # fmt: skip
     trials = json.loads((sweep / "optuna_study.json").read_text())["trials"]

@@ -342,19 +342,18 @@ def test_ddps_half_precision_hooks_train_as_the_fp32_all_reduce_and_resume_exact
     """fp16 and bf16 gradients (each bucket all-reduced in half the bytes) train the ConvNet
     at world size 2 to the fp32 all-reduce's accuracy within 2 points; the hooks keep no
     state, so a SIGKILLed run resumes to the uninterrupted run's parameters, bit for bit."""
-    plain = tmp_path / "plain"
-    run_script("train.py", *HOOKED, f"run_dir={plain}", nproc=2)
-    for hook in ("fp16", "bf16"):
-        run = tmp_path / hook
-        run_script("train.py", *HOOKED, f"trainer.ddp.comm_hook={hook}", f"run_dir={run}",
-                   nproc=2)  # fmt: skip
-        accuracy = read_metrics(run)[-1]["val/accuracy"]
-        assert abs(accuracy - read_metrics(plain)[-1]["val/accuracy"]) < 0.02, (hook, accuracy)
+    sweep = tmp_path / "sweep"  # one launch: jobs 0, 1, 2 are null (fp32), fp16, bf16
+    run_script("train.py", "-m", *HOOKED, "trainer.ddp.comm_hook=null,fp16,bf16",
+               f"hydra.sweep.dir={sweep}", nproc=2)  # fmt: skip
+    plain = read_metrics(sweep / "0")[-1]["val/accuracy"]
+    for job, hook in ((1, "fp16"), (2, "bf16")):
+        accuracy = read_metrics(sweep / str(job))[-1]["val/accuracy"]
+        assert abs(accuracy - plain) < 0.02, (hook, accuracy, plain)
     killed = tmp_path / "killed"
     run_script("train.py", *HOOKED, "trainer.ddp.comm_hook=bf16", f"run_dir={killed}",
                fault("kill", 13, 1), nproc=2, launcher=("--max-restarts=1",))  # fmt: skip
     assert "step 10" in (killed / "train.log").read_text()
-    assert_same_params(params(killed), params(tmp_path / "bf16"))
+    assert_same_params(params(killed), params(sweep / "2"))
 
 
 def test_a_sigkilled_powersgd_run_resumes_to_the_same_parameters(tmp_path):

@@ -503,6 +503,10 @@ def test_a_stop_signal_outside_the_loop_names_what_happened(steps, code, says, c
         mock.patch.dict("os.environ", {"RANK": "0"}),
         mock.patch("ddp_utils.entry.NON_MAIN_EXIT_DELAY_S", 0),
         mock.patch("ddp_utils.entry.write_error_file"),
+        # clean_exit marks the job started: a fork of this process (run_forked) must not
+        # inherit that, nor the training flag.
+        mock.patch("ddp_utils.entry._job_started", False),
+        mock.patch("ddp_utils.preemption._trained", False),
         pytest.raises(SystemExit) as exit_,
     ):
         _signal_inside(list(steps))
