@@ -51,8 +51,8 @@ def start_rank(rank: int, port: int, run_dir: Path, err) -> int:
     if pid:
         return pid
     os.dup2(err.fileno(), 2)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
-                      LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
     code = 1
     try:
         rank_main(run_dir)

@@ -76,9 +76,9 @@ def test_a_torchvision_detector_scores_the_same_at_world_sizes_1_2_3(tmp_path):
 
 def test_an_optuna_sweep_of_detection_in_bf16_with_ema_and_trackers(tmp_path):
     """Two trials (a grid over the learning rate) of the recipe at world size 2 in bf16 with
-    an EMA, two validations each, logged to CSV and MLflow: each trial's objective is its best val/map, the trackers
-    hold the scalar mAPs (map_per_class, a list, left out), and eval.py on best_ema.pt with
-    ema=true gives the val_ema/map it was kept for."""
+    an EMA, two validations each, logged to CSV and MLflow: each trial's objective is its best
+    val/map, the trackers hold the scalar mAPs (map_per_class, a list, left out), and eval.py
+    on best_ema.pt with ema=true gives the val_ema/map it was kept for."""
     pytest.importorskip("optuna")
     mlflow = pytest.importorskip("mlflow")
     sweep = tmp_path / "sweep"
@@ -87,7 +87,8 @@ def test_an_optuna_sweep_of_detection_in_bf16_with_ema_and_trackers(tmp_path):
                "hydra.sweeper.sampler={_target_:optuna.samplers.GridSampler,seed:0,"
                "search_space:{optim.lr:[0.01,0.02]}}",
                "hydra.sweeper.params={optim.lr:'choice(0.01,0.02)'}", "trainer.max_steps=16",
-               "trainer.val_every_steps=8", "data.val_fraction=0.0495", "trainer.precision=bf16", "trainer.ema_decay=0.9", "trainer.ema_every_steps=4",
+               "trainer.val_every_steps=8", "data.val_fraction=0.0495", "trainer.precision=bf16",
+               "trainer.ema_decay=0.9", "trainer.ema_every_steps=4",
                "trainer.save_best_ema=true", "logger=[csv,mlflow]", "trainer.progress=false",
                f"hydra.sweep.dir={sweep}", nproc=2, timeout=900)  # fmt: skip
     trials = json.loads((sweep / "optuna_study.json").read_text())["trials"]
