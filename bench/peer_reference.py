@@ -22,6 +22,7 @@ and top-1) on rank 0. Usage, under torchrun:
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import json
 import os
@@ -31,6 +32,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from ddp_utils.dist import leave_together
 
 
 def reference_folder(root: Path) -> Path:
@@ -141,9 +144,13 @@ def main() -> None:
         prof.stop()
     if dist.is_initialized():  # the reference leaves its group to the interpreter's exit,
         # where gloo may abort ("terminate called ..."); a rank that tore its group down while
-        # the other still finished did too (once in the suite): both wait, then both leave.
+        # the other still finished did too: both wait, both leave as train.py's ranks leave
+        # (every rank destroys its group, waits on the store for the others, collects).
+        store, world = dist.distributed_c10d._get_default_store(), dist.get_world_size()
         dist.barrier()
         dist.destroy_process_group()
+        leave_together(store, world)
+        gc.collect()
 
 
 if __name__ == "__main__":
