@@ -228,7 +228,9 @@ def test_a_full_disk_stops_every_rank_with_one_message_and_resumes_exactly(refer
 
 
 def test_a_stalled_validation_loader_ends_the_job_within_the_timeout(tmp_path):
-    timeout_s = 8
+    # Long enough that no collective times out while the other test worker loads the cores
+    # (at 8 s one did, once: rank 0 then reported its peer, not its own stalled loader).
+    timeout_s = 15
     args = ("data=custom", "data._target_=imagefolders.stalling_datasets", "+data.stall_at=250",
             "data.in_channels=1", "data.image_size=8", "data.resize_size=8",
             "data.mean=[0.3]", "data.std=[0.38]", "data.num_workers=1", "trainer.epochs=1",
@@ -240,7 +242,9 @@ def test_a_stalled_validation_loader_ends_the_job_within_the_timeout(tmp_path):
     assert proc.returncode != 0
     assert time.time() - start < timeout_s + 45, proc.stderr[-4000:]
     # Item 250 of 359 is on rank 0 (EvalShardSampler: batch 2 of 100 goes to rank 2 % 2 = 0).
-    stalled = "error: no validation batch for 8 s (trainer.timeout_s): this rank is stuck in "
+    stalled = (
+        f"error: no validation batch for {timeout_s} s (trainer.timeout_s): this rank is stuck in "
+    )
     ours = [line for line in proc.stderr.split("Traceback")[0].splitlines()
             if "error" in line and not re.match(r"[EWI]\d{4} ", line)]  # fmt: skip
     assert len(ours) == 1 and stalled in ours[0] and "validation loader" in ours[0], ours
