@@ -22,7 +22,6 @@ and top-1) on rank 0. Usage, under torchrun:
 from __future__ import annotations
 
 import argparse
-import gc
 import importlib
 import json
 import os
@@ -33,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ddp_utils.dist import leave_together
+from ddp_utils.dist import shutdown
 
 
 def reference_folder(root: Path) -> Path:
@@ -143,14 +142,10 @@ def main() -> None:
     if prof is not None:
         prof.stop()
     if dist.is_initialized():  # the reference leaves its group to the interpreter's exit,
-        # where gloo may abort ("terminate called ..."); a rank that tore its group down while
-        # the other still finished did too: both wait, both leave as train.py's ranks leave
-        # (every rank destroys its group, waits on the store for the others, collects).
-        store, world = dist.distributed_c10d._get_default_store(), dist.get_world_size()
+        # where gloo may abort ("terminate called ..."): every rank finishes, then all leave
+        # as train.py's ranks do.
         dist.barrier()
-        dist.destroy_process_group()
-        leave_together(store, world)
-        gc.collect()
+        shutdown()
 
 
 if __name__ == "__main__":

@@ -206,6 +206,12 @@ def join_launch_group(
     )
 
 
+def group_store() -> dist.Store:
+    """The store of the running default group: the launcher's, or that of a group another
+    script started (a peer's reference run)."""
+    return _GROUP_STORE[0] if _GROUP_STORE else dist.distributed_c10d._get_default_store()
+
+
 LEAVE_WAIT_S = 30.0  # how long a rank waits at the end for the others to tear down
 
 
@@ -217,10 +223,10 @@ def shutdown() -> None:
     (through the store, which outlives the group) until all have, and the objects that still
     hold a group are collected while the interpreter is whole."""
     if dist.is_initialized():
-        world = dist.get_world_size()
+        store, world = group_store(), dist.get_world_size()
         dist.destroy_process_group()
-        if world > 1 and _GROUP_STORE:
-            leave_together(_GROUP_STORE[0], world)
+        if world > 1:
+            leave_together(store, world)
     gc.collect()
 
 
@@ -379,7 +385,7 @@ def main_rank_runs(rt: Runtime, work: Callable[[], Any]) -> Any:
     key = f"ddp_recipes/main_done/{next(_main_waits)}"
     if rt.world_size == 1 or not dist.is_initialized():
         return work() if rt.is_main else None
-    store = _GROUP_STORE[0] if _GROUP_STORE else dist.distributed_c10d._get_default_store()
+    store = group_store()
     if rt.is_main:
         try:
             return work()

@@ -97,8 +97,9 @@ def clean_exit() -> Iterator[None]:
         pass_on(stop.signum)
         # torchrun's SIGTERM to the survivors of a failed rank often lands while this rank
         # is already unwinding from the lost collective: that loss is the cause to report.
-        if stop.__context__ is not None and lost_peer(stop.__context__) is not None:
-            stop_for_lost_peer(lost_peer(stop.__context__))
+        why = lost_peer(stop.__context__) if stop.__context__ is not None else None
+        if why is not None:
+            stop_for_lost_peer(why)
         report(str(stop), stop.exit_code)
     except ConfigError as e:
         if in_sweep():

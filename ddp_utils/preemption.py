@@ -42,10 +42,10 @@ class StoppedEarly(BaseException):
 
     def __init__(self, signum: int) -> None:
         name = signal.Signals(signum).name
-        self.signum, self.trained = signum, _trained
-        if self.trained:
-            super().__init__(f"stopped by {name} while the run was ending; its checkpoints "
-                             "are kept; relaunch the same command to resume")  # fmt: skip
+        self.signum = signum
+        if _trained:
+            super().__init__(f"stopped by {name} while the run was ending; relaunch the same "
+                             "command to resume from its newest checkpoint")  # fmt: skip
         else:
             super().__init__(f"stopped by {name} before the first training step; nothing was "
                              "saved; relaunch the same command to start again")  # fmt: skip

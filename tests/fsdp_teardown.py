@@ -10,12 +10,13 @@ group whose rank failed, with its stderr."""
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import tempfile
+import traceback
 from pathlib import Path
 
 import torch
+from conftest import free_port
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,19 +54,17 @@ def start_rank(rank: int, port: int, run_dir: Path, err) -> int:
     os.dup2(err.fileno(), 2)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
-    code = 1
     try:
         rank_main(run_dir)
-        code = 0
-    finally:
-        sys.exit(code)  # the interpreter's own exit, not os._exit
+    except BaseException:  # never back into the parent's loop: this fork ends here
+        traceback.print_exc()
+        sys.exit(1)
+    sys.exit(0)  # the interpreter's own exit, not os._exit
 
 
 def main(root: Path, groups: int) -> int:
     for i in range(groups):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         errs = [tempfile.TemporaryFile() for _ in range(2)]  # noqa: SIM115
         pids = [start_rank(r, port, root / str(i), errs[r]) for r in range(2)]
         for r, pid in enumerate(pids):

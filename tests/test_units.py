@@ -494,7 +494,7 @@ def _signal_inside(steps: list[str]) -> None:
     ("steps", "code", "says"),
     [
         ((), 75, "error: stopped by SIGTERM before the first training step; nothing was saved"),
-        (("train",), 75, "error: stopped by SIGTERM while the run was ending; its checkpoints"),
+        (("train",), 75, "error: stopped by SIGTERM while the run was ending; relaunch the same"),
         (("train", "lost"), 1, "[rank 0] stopping: another rank is gone"),
     ],
 )
