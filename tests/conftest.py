@@ -16,6 +16,14 @@ from pathlib import Path
 
 import pytest
 
+# The ranks and scripts a test forks (run_forked, run_ranks) compute on one intra-op thread,
+# as torchrun's workers do. OpenMP reads this once, when torch loads it: set later, the
+# threads a fork starts (gloo's callbacks, where PowerSGD multiplies matrices) would still
+# split work over the parent's pool, which a fork does not have, giving other sums each run.
+if "torch" in sys.modules and os.environ.get("OMP_NUM_THREADS") != "1":
+    raise RuntimeError("torch was imported before tests/conftest.py could set OMP_NUM_THREADS=1")
+os.environ["OMP_NUM_THREADS"] = "1"
+
 ROOT = Path(__file__).resolve().parents[1]
 MNIST_ROOT = ROOT.parent / "shared" / "data" / "mnist10k"
 
@@ -194,12 +202,43 @@ def run_forked(
     env: dict[str, str] | None = None,
     timeout: float = 120,
 ) -> subprocess.CompletedProcess:
-    """``python SCRIPT args`` in a fork of this test process, for runs that stop at a user's
-    mistake: the real entry script as ``__main__`` in a process of its own, with its own exit
-    code, stdout and stderr, but without paying again for the interpreter and torch (seconds
-    each). Runs that train use ``run_script``: a fork shares the parent's thread pools."""
+    """``python SCRIPT args`` in a fork of this test process: the real entry script as
+    ``__main__`` in a process of its own, with its own exit code, stdout and stderr, but
+    without paying again for the interpreter's imports (torch, torchvision, torchmetrics:
+    seconds each). The fork runs on one intra-op thread, as torchrun's workers do, so it
+    never enters the parent's OpenMP pool. Tests of a plain process's own life (its signals,
+    its exit code) use ``run_script``."""
     (done,) = run_forked_group(script, *args, envs=[env or {}], cwd=cwd, timeout=timeout)
     return done
+
+
+def run_ranks(
+    script: str,
+    *args: str,
+    nproc: int,
+    cwd: Path = ROOT,
+    env: dict[str, str] | None = None,
+    timeout: float = 300,
+    check: bool = True,
+) -> subprocess.CompletedProcess:
+    """``script`` as the ``nproc`` ranks of one real gloo group, each a fork of this test
+    process given the variables torchrun gives its workers: for checks of what a script
+    computes at a world size (eval.py's numbers). The ranks skip seconds of imports each;
+    tests of torchrun itself (restarts, its signals, its exit report) use ``run_script``.
+    One result: the first failing rank's exit code, every rank's stdout and stderr."""
+    port = str(free_port())
+    envs = [{**(env or {}), "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc),
+             "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+            for r in range(nproc)]  # fmt: skip
+    done = run_forked_group(script, *args, envs=envs, cwd=cwd, timeout=timeout)
+    code = next((p.returncode for p in done if p.returncode != 0), 0)
+    proc = subprocess.CompletedProcess([script, *args], code, "".join(p.stdout for p in done),
+                                       "".join(p.stderr for p in done))  # fmt: skip
+    if check and code != 0:
+        raise AssertionError(f"{script} {' '.join(args)} as {nproc} forked ranks exited {code}"
+                             f"\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n"
+                             f"{proc.stderr[-6000:]}")  # fmt: skip
+    return proc
 
 
 def run_forked_group(
@@ -209,7 +248,11 @@ def run_forked_group(
     torchrun's variables), each waited for; their exit codes, stdout and stderr."""
     import tempfile
 
-    import ddp_utils.entry  # noqa: F401 - imported once here rather than in every fork
+    # imported once here rather than in every fork: the scripts' heavy imports (torch,
+    # torchvision, torchmetrics, hydra) are most of a short run's seconds
+    import ddp_utils.entry  # noqa: F401
+    import ddp_utils.evaluation  # noqa: F401
+    import ddp_utils.train.loop  # noqa: F401
 
     files = [(tempfile.TemporaryFile(), tempfile.TemporaryFile()) for _ in envs]  # noqa: SIM115
     sys.stdout.flush(), sys.stderr.flush()
@@ -254,6 +297,8 @@ def _forked_main(script: str, args: tuple, cwd: Path, env: dict, out: int, err: 
         os.chdir(cwd)
         os.environ.clear()
         os.environ.update(child_env(**env))
+        # what PYTHONPATH gives a new interpreter (this one read it at its start)
+        sys.path[:0] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
         import torch
 
         torch.set_num_threads(1)  # what OMP_NUM_THREADS=1 gives a new process
@@ -346,8 +391,8 @@ def compose_config(*overrides: str, name: str = "train"):
 def eval_at_world_sizes(
     checkpoint: Path, out_dir: Path, worlds: tuple[int | None, ...] = (None, 2, 3)
 ) -> dict[int | None, dict]:
-    """eval.py's results for ``checkpoint`` in one process (a fork: None), and under torchrun
-    at each other world size of ``worlds``."""
+    """eval.py's results for ``checkpoint`` in one process (a fork: None), and as the forked
+    ranks of a group at each other world size of ``worlds``."""
     results = {}
     for n in worlds:
         out = out_dir / f"eval{n}.json"
@@ -355,7 +400,7 @@ def eval_at_world_sizes(
         if n is None:
             assert run_forked("eval.py", *args).returncode == 0
         else:
-            run_script("eval.py", *args, nproc=n)
+            run_ranks("eval.py", *args, nproc=n)
         results[n] = json.loads(out.read_text())
     return results
 

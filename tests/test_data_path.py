@@ -7,7 +7,7 @@ import struct
 
 import pytest
 import torch
-from conftest import read_metrics, run_script
+from conftest import read_metrics, run_ranks
 from torch.utils.data import DistributedSampler
 
 from ddp_utils.config import TorchvisionData
@@ -50,9 +50,9 @@ def test_tensor_path_hands_each_rank_distributed_samplers_indices(n, world_size)
 
 def test_both_paths_train_the_same(tmp_path):
     args = ("trainer.epochs=3", "data.batch_size=64")
-    run_script("train.py", *args, "data.loader=tensor", f"run_dir={tmp_path}/tensor")
-    run_script("train.py", *args, "data.loader=torch", "data.num_workers=1",
-               f"run_dir={tmp_path}/torch")  # fmt: skip
+    run_ranks("train.py", *args, "data.loader=tensor", f"run_dir={tmp_path}/tensor", nproc=1)
+    run_ranks("train.py", *args, "data.loader=torch", "data.num_workers=1",
+              f"run_dir={tmp_path}/torch", nproc=1)  # fmt: skip
     a, b = read_metrics(tmp_path / "tensor"), read_metrics(tmp_path / "torch")
     for ra, rb in zip(a, b, strict=True):
         assert ra["train/loss"] == pytest.approx(rb["train/loss"], rel=1e-5)

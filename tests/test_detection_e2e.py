@@ -10,7 +10,14 @@ import json
 
 import pytest
 from callbacks import fault
-from conftest import assert_same_params, eval_at_world_sizes, params, read_metrics, run_script
+from conftest import (
+    assert_same_params,
+    eval_at_world_sizes,
+    params,
+    read_metrics,
+    run_ranks,
+    run_script,
+)
 
 pytest.importorskip(
     "faster_coco_eval", reason="mAP needs faster-coco-eval (make install: the [det] extra)"
@@ -26,7 +33,7 @@ MAP_KEYS = ("map", "map_50", "map_75", "map_per_class")
 @pytest.fixture(scope="module")
 def det_run(tmp_path_factory):
     run = tmp_path_factory.mktemp("det")
-    run_script("train.py", *RUN, f"run_dir={run}", nproc=2, timeout=900)
+    run_ranks("train.py", *RUN, f"run_dir={run}", nproc=2, timeout=900)
     return run
 
 
@@ -62,9 +69,9 @@ def test_a_torchvision_detector_scores_the_same_at_world_sizes_1_2_3(tmp_path):
     weights: the numbers only need to be the same), then eval.py at 1, 2 and 3 processes, on
     89 validation canvases (a prime: uneven shards)."""
     run = tmp_path / "run"
-    run_script("train.py", "experiment=digits_detection", "model=torchvision_det",
-               "data.val_fraction=0.0495", "trainer.max_steps=6", "trainer.precision=32",
-               f"run_dir={run}", nproc=2, timeout=900)  # fmt: skip
+    run_ranks("train.py", "experiment=digits_detection", "model=torchvision_det",
+              "data.val_fraction=0.0495", "trainer.max_steps=6", "trainer.precision=32",
+              f"run_dir={run}", nproc=2, timeout=900)  # fmt: skip
     results = eval_at_world_sizes(run / "checkpoints" / "last.pt", tmp_path)
     base = results[None]
     assert base["num_samples"] == 89
@@ -105,6 +112,6 @@ def test_an_optuna_sweep_of_detection_in_bf16_with_ema_and_trackers(tmp_path):
         assert [float(r["val/map"]) for r in rows] == [r["val/map"] for r in records]
         assert "val/map_per_class" not in rows[0]
         out = tmp_path / f"eval{t['number']}.json"
-        run_script("eval.py", f"checkpoint={job}/checkpoints/best_ema.pt", "ema=true",
-                   f"output={out}")  # fmt: skip
+        run_ranks("eval.py", f"checkpoint={job}/checkpoints/best_ema.pt", "ema=true",
+                  f"output={out}", nproc=1)  # fmt: skip
         assert json.loads(out.read_text())["map"] == max(r["val_ema/map"] for r in records)

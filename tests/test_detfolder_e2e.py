@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 import yaml
-from conftest import read_metrics, run_script
+from conftest import read_metrics, run_forked, run_ranks
 from detfolders import write_coco_folder
 
 pytest.importorskip(
@@ -29,7 +29,7 @@ def coco(tmp_path_factory):
 
 def test_a_coco_folder_trains_and_scores_the_same_at_world_sizes_1_and_3(coco, tmp_path):
     run = tmp_path / "run"
-    proc = run_script("train.py", *RUN, f"data.root={coco}", f"run_dir={run}", nproc=2)
+    proc = run_ranks("train.py", *RUN, f"data.root={coco}", f"run_dir={run}", nproc=2)
     assert read_metrics(run)[-1]["val/num_samples"] == 13
     assert yaml.safe_load((run / "config.yaml").read_text())["data"]["num_classes"] == 3
     # 16-bit, palette and RGBA images were read; COCO's tables stayed out of the log.
@@ -37,7 +37,7 @@ def test_a_coco_folder_trains_and_scores_the_same_at_world_sizes_1_and_3(coco, t
     results = {}
     for n in (1, 3):
         out = tmp_path / f"eval{n}.json"
-        run_script("eval.py", f"checkpoint={run}/checkpoints/last.pt", f"output={out}", nproc=n)
+        run_ranks("eval.py", f"checkpoint={run}/checkpoints/last.pt", f"output={out}", nproc=n)
         results[n] = json.loads(out.read_text())
     for key in ("map", "map_50", "map_per_class", "num_samples"):
         assert results[1][key] == results[3][key], key
@@ -52,8 +52,7 @@ def broken(coco, tmp_path, change) -> str:
     doc = json.loads(path.read_text())
     change(doc, folder)
     path.write_text(json.dumps(doc))
-    proc = run_script("train.py", *RUN, f"data.root={folder}", f"run_dir={tmp_path / 'run'}",
-                      check=False)  # fmt: skip
+    proc = run_forked("train.py", *RUN, f"data.root={folder}", f"run_dir={tmp_path / 'run'}")
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()
     assert str(path) in proc.stderr

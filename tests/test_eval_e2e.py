@@ -8,6 +8,7 @@ import pytest
 from conftest import (
     read_metrics,
     run_forked,
+    run_ranks,
     run_script,
     write_malicious_checkpoint,
 )
@@ -21,7 +22,7 @@ EVAL_KEYS = {
 @pytest.fixture(scope="module")
 def digits_run(tmp_path_factory):
     run = tmp_path_factory.mktemp("digits_run")
-    run_script("train.py", "trainer.epochs=2", f"run_dir={run}")
+    run_ranks("train.py", "trainer.epochs=2", f"run_dir={run}", nproc=1)
     return run
 
 
@@ -57,8 +58,8 @@ def test_same_numbers_at_world_size_1_and_3(digits_run, tmp_path):
 def test_overrides_apply_on_top_of_the_checkpoint_config(digits_run, tmp_path):
     out = tmp_path / "train_split.json"
     ckpt = digits_run / "checkpoints" / "best.pt"
-    run_script("eval.py", f"checkpoint={ckpt}", "data.split=train", "data.batch_size=7",
-               f"output={out}")  # fmt: skip
+    run_ranks("eval.py", f"checkpoint={ckpt}", "data.split=train", "data.batch_size=7",
+              f"output={out}", nproc=1)  # fmt: skip
     assert json.loads(out.read_text())["num_samples"] == 1797 - 359
 
 

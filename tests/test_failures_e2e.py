@@ -55,8 +55,8 @@ def test_one_job_per_run_dir_and_a_killed_holder_does_not_block(tmp_path):
     wait_for_step_checkpoint(run, winner)
     winner.kill()
     winner.communicate()
-    proc = run_script("train.py", *RUN, f"run_dir={run}")
-    assert "resumed from" in proc.stdout
+    proc = run_forked("train.py", *RUN, f"run_dir={run}")
+    assert proc.returncode == 0 and "resumed from" in proc.stdout, proc.stderr[-3000:]
     assert [r["epoch"] for r in read_metrics(run)] == [0, 1]
 
 

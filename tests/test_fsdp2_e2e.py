@@ -35,6 +35,7 @@ from conftest import (
     params,
     read_metrics,
     run_forked,
+    run_ranks,
     run_script,
     start_script,
     tmpfs,
@@ -71,8 +72,8 @@ def runs(tokens, tmp_path_factory):
     for name, extra in (("ddp", ()), ("fsdp2", (FSDP,))):
         out[name] = tmp_path_factory.mktemp(name)
         out[f"{name}_start"] = tmp_path_factory.mktemp(f"{name}_start") / "state.pt"
-        run_script("train.py", *LM, *extra, f"data.root={tokens}", f"run_dir={out[name]}",
-                   dump_state(out[f"{name}_start"], optimizer=False), nproc=2)  # fmt: skip
+        run_ranks("train.py", *LM, *extra, f"data.root={tokens}", f"run_dir={out[name]}",
+                  dump_state(out[f"{name}_start"], optimizer=False), nproc=2)  # fmt: skip
     return out
 
 
@@ -105,8 +106,8 @@ def test_fsdp2_starts_from_ddps_weights_built_by_the_main_rank_alone(runs):
 def test_activation_checkpointing_recomputes_the_same_numbers(runs, tokens, tmp_path):
     """trainer.activation_checkpointing under fsdp2: each block recomputed in the backward,
     the same losses as without it (the same kernels run again) and the same checkpoint keys."""
-    run_script("train.py", *LM, FSDP, "trainer.activation_checkpointing=true",
-               f"data.root={tokens}", f"run_dir={tmp_path}", nproc=2)  # fmt: skip
+    run_ranks("train.py", *LM, FSDP, "trainer.activation_checkpointing=true",
+              f"data.root={tokens}", f"run_dir={tmp_path}", nproc=2)  # fmt: skip
     for a, b in zip(read_metrics(tmp_path), read_metrics(runs["fsdp2"]), strict=True):
         for key in ("train/loss", "val/loss"):
             assert close(a[key], b[key], 1e-6), (a["step"], key, a[key], b[key])
@@ -147,8 +148,8 @@ def test_a_checkpoint_saved_at_world_size_2_resumes_at_another_with_its_exact_st
     run = tmp_path / "run"
     shutil.copytree(saved, run / "checkpoints" / saved.name)
     dump = tmp_path / "loaded.pt"
-    proc = run_script("train.py", *LM, FSDP, f"data.root={tokens}", f"run_dir={run}",
-                      dump_state(dump), nproc=world)  # fmt: skip
+    proc = run_ranks("train.py", *LM, FSDP, f"data.root={tokens}", f"run_dir={run}",
+                     dump_state(dump), nproc=world)  # fmt: skip
     assert "saved at world size 2" in (run / "train.log").read_text(), proc.stdout
     loaded, expected = torch.load(dump, weights_only=True), whole_checkpoint(saved)
     assert_same_params(loaded["model"], expected["model"])
@@ -174,9 +175,9 @@ def test_fsdp2_follows_ddp_on_the_tutorial_convnet(tmp_path):
     curves = {}
     for name, extra in (("ddp", ()), ("fsdp2", (FSDP,))):
         run = tmp_path / name
-        run_script("train.py", "trainer.epochs=2", "trainer.precision=32", "logger=none",
-                   "trainer.grad_accum_steps=2", "trainer.grad_clip=1.0", f"run_dir={run}",
-                   *extra, nproc=2)  # fmt: skip
+        run_ranks("train.py", "trainer.epochs=2", "trainer.precision=32", "logger=none",
+                  "trainer.grad_accum_steps=2", "trainer.grad_clip=1.0", f"run_dir={run}",
+                  *extra, nproc=2)  # fmt: skip
         curves[name] = read_metrics(run)
     for a, b in zip(curves["fsdp2"], curves["ddp"], strict=True):
         for key in ("train/loss", "val/loss", "val/accuracy"):
@@ -343,8 +344,8 @@ def test_ddps_half_precision_hooks_train_as_the_fp32_all_reduce_and_resume_exact
     at world size 2 to the fp32 all-reduce's accuracy within 2 points; the hooks keep no
     state, so a SIGKILLed run resumes to the uninterrupted run's parameters, bit for bit."""
     sweep = tmp_path / "sweep"  # one launch: jobs 0, 1, 2 are null (fp32), fp16, bf16
-    run_script("train.py", "-m", *HOOKED, "trainer.ddp.comm_hook=null,fp16,bf16",
-               f"hydra.sweep.dir={sweep}", nproc=2)  # fmt: skip
+    run_ranks("train.py", "-m", *HOOKED, "trainer.ddp.comm_hook=null,fp16,bf16",
+              f"hydra.sweep.dir={sweep}", nproc=2)  # fmt: skip
     plain = read_metrics(sweep / "0")[-1]["val/accuracy"]
     for job, hook in ((1, "fp16"), (2, "bf16")):
         accuracy = read_metrics(sweep / str(job))[-1]["val/accuracy"]
@@ -361,7 +362,7 @@ def test_a_sigkilled_powersgd_run_resumes_to_the_same_parameters(tmp_path):
     a SIGKILLed run, whose restarted DDP steps first on other buckets, resumes to the
     uninterrupted run's parameters, bit for bit; the ConvNet learns under it."""
     run = tmp_path / "run"
-    run_script("train.py", *HOOKED, *POWERSGD, f"run_dir={run}", nproc=2)
+    run_ranks("train.py", *HOOKED, *POWERSGD, f"run_dir={run}", nproc=2)
     assert read_metrics(run)[-1]["val/accuracy"] > 0.9
     saved = whole_checkpoint(run / "checkpoints" / "last.pt")["strategy"]["powersgd"]
     assert len(saved) == 2 and saved[0]["iter"] > 4 and saved[0]["p"] and saved[0]["error"]

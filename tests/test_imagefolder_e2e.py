@@ -16,6 +16,7 @@ from conftest import (
     read_metrics,
     recorded_samples,
     run_forked,
+    run_ranks,
     run_script,
 )
 from imagefolders import folder_args, write_digits_folder
@@ -45,7 +46,7 @@ def test_folder_trains_like_the_tensor_path_on_the_same_images(folder_run, tmp_p
     run, proc = folder_run
     tensor = tmp_path / "tensor"
     # data=digits: the same images, as uint8 tensors indexed on the device
-    run_script("train.py", "trainer.epochs=6", f"run_dir={tensor}", nproc=2)
+    run_ranks("train.py", "trainer.epochs=6", f"run_dir={tensor}", nproc=2)
     a, b = read_metrics(run)[-1], read_metrics(tensor)[-1]
     assert a["val/num_samples"] == 359 == b["val/num_samples"]
     assert abs(a["val/accuracy"] - b["val/accuracy"]) <= 0.01, (a, b)
@@ -62,8 +63,8 @@ def test_eval_gives_identical_numbers_at_world_size_1_and_3(folder_run, tmp_path
     results = {}
     for n in (1, 3):
         out = tmp_path / f"eval{n}.json"
-        run_script("eval.py", f"checkpoint={ckpt}", f"output={out}", "data.num_workers=1",
-                   nproc=None if n == 1 else n)  # fmt: skip
+        run_ranks("eval.py", f"checkpoint={ckpt}", f"output={out}", "data.num_workers=1",
+                  nproc=n)  # fmt: skip
         results[n] = json.loads(out.read_text())
     for n, r in results.items():
         assert r["num_samples"] == 359 and r["world_size"] == n
@@ -91,14 +92,14 @@ def test_eval_refuses_a_folder_with_other_classes(folder_run, folder, tmp_path):
 def augmented(folder, tmp_path_factory):
     """The uninterrupted run with augmentation and 2 workers per rank."""
     run = tmp_path_factory.mktemp("augmented")
-    run_script("train.py", *folder_args(folder, *AUG, "data.num_workers=2"), f"run_dir={run}",
-               nproc=2)  # fmt: skip
+    run_ranks("train.py", *folder_args(folder, *AUG, "data.num_workers=2"), f"run_dir={run}",
+              nproc=2)  # fmt: skip
     return run
 
 
 def test_augmentation_does_not_depend_on_the_number_of_workers(folder, augmented, tmp_path):
-    run_script("train.py", *folder_args(folder, *AUG, "data.num_workers=0"), f"run_dir={tmp_path}",
-               nproc=2)  # fmt: skip
+    run_ranks("train.py", *folder_args(folder, *AUG, "data.num_workers=0"), f"run_dir={tmp_path}",
+              nproc=2)  # fmt: skip
     assert_same_params(params(tmp_path), params(augmented))
 
 
@@ -123,7 +124,7 @@ def test_resume_at_another_world_size_sees_each_remaining_sample_once(folder, tm
     assert proc.returncode != 0
     ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=True)
     assert (ckpt["epoch"], ckpt["step"]) == (1, 20) and 0 < ckpt["sample_offset"] < 1438
-    run_script("train.py", *args, recorder(after))  # 1 process
+    run_ranks("train.py", *args, recorder(after), nproc=1)
     done, rest = recorded_samples(before, 1, max_step=20), recorded_samples(after, 1)
     assert sum(done.values()) == ckpt["sample_offset"]
     assert set(done + rest) == set(range(1438)) and set((done + rest).values()) == {1}
@@ -135,15 +136,15 @@ def test_a_custom_data_set_trains_and_evaluates(tmp_path):
             "data.std=[0.38]", "trainer.epochs=3", "data.batch_size=25",
             "data.num_workers=1")  # fmt: skip
     env = {"PYTHONPATH": str(ROOT / "tests")}
-    run_script("train.py", *args, f"run_dir={tmp_path}", nproc=2, env=env)
+    run_ranks("train.py", *args, f"run_dir={tmp_path}", nproc=2, env=env)
     records = read_metrics(tmp_path)
     assert [r["val/num_samples"] for r in records] == [359] * 3  # val has 359 < 600
     assert records[-1]["val/accuracy"] > 0.8
     ckpt = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)
     assert ckpt["config"]["data"]["kwargs"] == {"limit": 600}
     out = tmp_path / "eval.json"
-    run_script("eval.py", f"checkpoint={tmp_path}/checkpoints/last.pt", f"output={out}",
-               env=env)  # one process: validated in training by two  # fmt: skip
+    run_ranks("eval.py", f"checkpoint={tmp_path}/checkpoints/last.pt", f"output={out}",
+              nproc=1, env=env)  # one process: validated in training by two  # fmt: skip
     assert json.loads(out.read_text())["accuracy"] == records[-1]["val/accuracy"]
 
 
@@ -175,8 +176,8 @@ def test_unreadable_image_stops_with_its_name_or_is_skipped(folder, tmp_path):
     assert len(errors) == 1 and f"cannot read the image {bad} (Out of bound read" in errors[0]
     assert "data.skip_bad_images=true" in errors[0] and "decode_png.cpp" not in errors[0]
     assert "Connection closed" not in proc.stderr and f"traceback : {errors[0]}" in proc.stderr
-    proc = run_script("train.py", *args, "data.skip_bad_images=true", f"run_dir={tmp_path}/s",
-                      nproc=2)  # fmt: skip
+    proc = run_ranks("train.py", *args, "data.skip_bad_images=true", f"run_dir={tmp_path}/s",
+                     nproc=2)  # fmt: skip
     assert [r["train/skipped_images"] for r in read_metrics(tmp_path / "s")] == [1, 1]
     assert [r["val/num_samples"] for r in read_metrics(tmp_path / "s")] == [359, 359]
     assert f"skipping the unreadable image {bad}" in proc.stdout + proc.stderr

@@ -14,6 +14,7 @@ from conftest import (
     params,
     read_metrics,
     run_forked,
+    run_ranks,
     run_script,
 )
 from lm_data import write_token_folder
@@ -35,7 +36,7 @@ def tokens(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(tokens, tmp_path_factory):
     run = tmp_path_factory.mktemp("lm_reference")
-    run_script("train.py", *RUN, f"data.root={tokens}", f"run_dir={run}", nproc=2)
+    run_ranks("train.py", *RUN, f"data.root={tokens}", f"run_dir={run}", nproc=2)
     return run
 
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import ROOT, documentation, eval_at_world_sizes, read_metrics, run_forked, run_script
+from conftest import ROOT, documentation, eval_at_world_sizes, read_metrics, run_forked, run_ranks
 
 AUROC = ("+task.metrics.auroc._target_=torchmetrics.classification.MulticlassAUROC",
          "+task.metrics.auroc.num_classes=${data.num_classes}")  # fmt: skip
@@ -16,8 +16,8 @@ AUROC = ("+task.metrics.auroc._target_=torchmetrics.classification.MulticlassAUR
 @pytest.fixture(scope="module")
 def auroc_run(tmp_path_factory):
     run = tmp_path_factory.mktemp("auroc_run")
-    run_script("train.py", "trainer.epochs=3", "trainer.precision=32", *AUROC,
-               "task.monitor=auroc", "logger=none", f"run_dir={run}", nproc=2)  # fmt: skip
+    run_ranks("train.py", "trainer.epochs=3", "trainer.precision=32", *AUROC,
+              "task.monitor=auroc", "logger=none", f"run_dir={run}", nproc=2)  # fmt: skip
     return run
 
 
@@ -91,8 +91,8 @@ TASK = ("task=custom", "task._target_=custom_tasks.DigitValue", "task.monitor=ma
 def regression_run(tmp_path_factory):
     """docs/extend/task.md's custom task: the digits' value regressed with MSE, scored by MAE."""
     run = tmp_path_factory.mktemp("regression")
-    run_script("train.py", *TASK, "optim.lr=0.01", "trainer.precision=32", "logger=none",
-               f"run_dir={run}", nproc=2, env={"PYTHONPATH": str(ROOT / "tests")})  # fmt: skip
+    run_ranks("train.py", *TASK, "optim.lr=0.01", "trainer.precision=32", "logger=none",
+              f"run_dir={run}", nproc=2, env={"PYTHONPATH": str(ROOT / "tests")})  # fmt: skip
     return run
 
 

@@ -9,7 +9,7 @@ import subprocess
 import uuid
 
 import pytest
-from conftest import ROOT, child_env, command, free_port, read_metrics, run_script
+from conftest import ROOT, child_env, command, free_port, read_metrics, run_ranks, run_script
 
 TRAIN = ("trainer.epochs=2", "data.batch_size=50")
 
@@ -47,7 +47,7 @@ def run_agents(cmds: list[list[str]], cwd, envs: list[dict] | None = None) -> No
 @pytest.fixture(scope="module")
 def one_agent_two_procs(tmp_path_factory):
     run = tmp_path_factory.mktemp("one_agent") / "run"
-    run_script("train.py", *TRAIN, f"run_dir={run}", nproc=2)
+    run_ranks("train.py", *TRAIN, f"run_dir={run}", nproc=2)
     return read_metrics(run)
 
 

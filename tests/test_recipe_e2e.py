@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 import torchvision
-from conftest import MNIST_ROOT, ROOT, needs_mnist, read_metrics, run_script
+from conftest import MNIST_ROOT, ROOT, needs_mnist, read_metrics, run_ranks, run_script
 
 SYNTHETIC_RGB = ("data=synthetic", "data.in_channels=3", "data.mean=[0.5,0.5,0.5]",
                  "data.std=[0.29,0.29,0.29]", "data.num_classes=5")  # fmt: skip
@@ -25,8 +25,8 @@ SYNTHETIC_RGB = ("data=synthetic", "data.in_channels=3", "data.mean=[0.5,0.5,0.5
 def test_a_torchvision_model_trains_and_its_weights_load_into_torchvision(
     tmp_path, arch, size, extra
 ):
-    run_script("train.py", "model=torchvision", f"model.arch={arch}", *SYNTHETIC_RGB,
-               f"data.image_size={size}", *extra, f"run_dir={tmp_path}", nproc=2)  # fmt: skip
+    run_ranks("train.py", "model=torchvision", f"model.arch={arch}", *SYNTHETIC_RGB,
+              f"data.image_size={size}", *extra, f"run_dir={tmp_path}", nproc=2)  # fmt: skip
     state = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)["model"]
     model = torchvision.models.get_model(arch, num_classes=5)
     model.load_state_dict(state)  # strict: the same architecture, nothing renamed
@@ -35,30 +35,31 @@ def test_a_torchvision_model_trains_and_its_weights_load_into_torchvision(
 
 def test_a_custom_model_trains_and_eval_rebuilds_it_from_the_checkpoint(tmp_path):
     env = {"PYTHONPATH": str(ROOT / "tests")}
-    run_script("train.py", "model=custom", "model._target_=custom_models.TinyNet",
-               "+model.width=6", "trainer.epochs=3", f"run_dir={tmp_path}", nproc=2,
-               env=env)  # fmt: skip
+    run_ranks("train.py", "model=custom", "model._target_=custom_models.TinyNet",
+              "+model.width=6", "trainer.epochs=3", f"run_dir={tmp_path}", nproc=2,
+              env=env)  # fmt: skip
     ckpt = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)
     assert ckpt["config"]["model"]["_target_"] == "custom_models.TinyNet"
     assert ckpt["config"]["model"]["kwargs"] == {"width": 6}
     assert ckpt["model"]["conv.weight"].shape[0] == 6
     out = tmp_path / "eval.json"
-    run_script("eval.py", f"checkpoint={tmp_path}/checkpoints/last.pt", f"output={out}", env=env)
+    run_ranks("eval.py", f"checkpoint={tmp_path}/checkpoints/last.pt", f"output={out}", nproc=1,
+              env=env)  # fmt: skip
     assert json.loads(out.read_text())["accuracy"] == read_metrics(tmp_path)[-1]["val/accuracy"]
 
 
 def test_ema_is_scored_every_epoch_and_eval_reproduces_it_at_another_world_size(tmp_path):
-    run_script("train.py", "trainer.ema_decay=0.999", "trainer.ema_every_steps=2",
-               "trainer.epochs=3", "trainer.save_best_ema=true", f"run_dir={tmp_path}",
-               nproc=2)  # fmt: skip
+    run_ranks("train.py", "trainer.ema_decay=0.999", "trainer.ema_every_steps=2",
+              "trainer.epochs=3", "trainer.save_best_ema=true", f"run_dir={tmp_path}",
+              nproc=2)  # fmt: skip
     records = read_metrics(tmp_path)
     assert all({"val_ema/accuracy", "val_ema/loss"} <= r.keys() for r in records)
     ckpt = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)
     assert "model_ema" in ckpt and (tmp_path / "checkpoints" / "best_ema.pt").is_file()
     assert any(not torch.equal(v, ckpt["model"][k]) for k, v in ckpt["model_ema"]["model"].items())
     out = tmp_path / "ema.json"
-    run_script("eval.py", f"checkpoint={tmp_path}/checkpoints/last.pt", "ema=true",
-               f"output={out}")  # one process: trained (and validated) by two  # fmt: skip
+    run_ranks("eval.py", f"checkpoint={tmp_path}/checkpoints/last.pt", "ema=true",
+              f"output={out}", nproc=1)  # one process: trained (and validated) by two  # fmt: skip
     result = json.loads(out.read_text())
     assert result["ema"] is True and result["world_size"] == 1
     assert result["accuracy"] == records[-1]["val_ema/accuracy"]
@@ -67,8 +68,8 @@ def test_ema_is_scored_every_epoch_and_eval_reproduces_it_at_another_world_size(
 
 
 def test_label_smoothing_mixup_and_cutmix_train_end_to_end(tmp_path):
-    run_script("train.py", "trainer.label_smoothing=0.1", "data.mixup_alpha=0.2",
-               "data.cutmix_alpha=1.0", f"run_dir={tmp_path}", nproc=2)  # fmt: skip
+    run_ranks("train.py", "trainer.label_smoothing=0.1", "data.mixup_alpha=0.2",
+              "data.cutmix_alpha=1.0", f"run_dir={tmp_path}", nproc=2)  # fmt: skip
     records = read_metrics(tmp_path)
     assert records[-1]["val/accuracy"] > 0.9
     # Soft targets and smoothing keep the training loss far above a hard-label fit.

@@ -22,6 +22,7 @@ from conftest import (
     read_metrics,
     recorded_samples,
     run_forked,
+    run_ranks,
     run_script,
     start_script,
     wait_for_step_checkpoint,
@@ -41,7 +42,7 @@ RUN = ("trainer.epochs=2", "data.batch_size=10", "trainer.ckpt_every_steps=10")
 def reference(tmp_path_factory):
     """The uninterrupted run every interrupted one must match exactly."""
     run = tmp_path_factory.mktemp("reference")
-    run_script("train.py", *RUN, f"run_dir={run}", nproc=2)
+    run_ranks("train.py", *RUN, f"run_dir={run}", nproc=2)
     return run
 
 
@@ -134,7 +135,8 @@ def test_torn_newest_checkpoint_resumes_from_the_previous_one(reference, tmp_pat
     assert [p.name for p in steps] == ["step_00000140.pt", "step_00000142.pt"]
     newest = steps[-1]
     newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # last.pt shares it
-    proc = run_script("train.py", *RUN, "trainer.epochs=3", f"run_dir={run}")
+    proc = run_forked("train.py", *RUN, "trainer.epochs=3", f"run_dir={run}")
+    assert proc.returncode == 0, proc.stderr[-4000:]
     assert "skipping a checkpoint that does not load" in proc.stdout + proc.stderr
     assert "resumed from" in proc.stdout and "step_00000140.pt" in proc.stdout
     # From step 140 (1,380 samples into epoch 1) at world size 1, batch 10: the 58 left take
@@ -159,8 +161,7 @@ def test_resume_at_another_world_size_sees_each_sample_once(tmp_path_factory, ne
     run, rec = base / f"run_w{new_world_size}", base / f"rec_w{new_world_size}"
     shutil.copytree(base / "run", run)
     rec.mkdir()
-    nproc = None if new_world_size == 1 else new_world_size
-    run_script("train.py", *every, f"run_dir={run}", recorder(rec), nproc=nproc)
+    run_ranks("train.py", *every, f"run_dir={run}", recorder(rec), nproc=new_world_size)
     before = recorded_samples(base, epoch=1, max_step=ckpt["step"])
     after = recorded_samples(rec, epoch=1)
     seen = before + after
@@ -256,7 +257,7 @@ def test_workers_and_their_loader_workers_stop_when_the_agent_alone_is_killed(tm
     process of the run is left, the lock is free, and the relaunch resumes exactly."""
     args = (*RUN, "data.loader=torch", "data.num_workers=1", "trainer.precision=32")
     reference = tmp_path / "reference"
-    run_script("train.py", *args, f"run_dir={reference}", nproc=2)
+    run_ranks("train.py", *args, f"run_dir={reference}", nproc=2)
     run = tmp_path / "run"
     # 0.1 s a step: 12 s of training are left when the agent dies.
     proc = start_script("train.py", *args, slow(0.1), f"run_dir={run}", nproc=2)

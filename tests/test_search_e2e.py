@@ -10,7 +10,7 @@ import time
 
 import pytest
 from callbacks import slow
-from conftest import kill_agent_alone, read_metrics, run_script, start_script
+from conftest import kill_agent_alone, read_metrics, run_forked, run_script, start_script
 
 optuna = pytest.importorskip("optuna")
 
@@ -87,10 +87,11 @@ def test_a_sqlite_study_killed_mid_trial_continues_without_rerunning(tmp_path):
     command = (*SEARCH, "hydra.sweeper.n_trials=3", "trainer.epochs=1", "data.val_fraction=0.5",
                f"hydra.sweeper.storage=sqlite:///{db}", f"hydra.sweep.dir={sweep}",
                "callbacks=[{_target_:tests.callbacks.KillInJob,job:1,step:3}]")  # fmt: skip
-    killed = run_script("train.py", *command, check=False, timeout=300)
+    killed = run_forked("train.py", *command, timeout=300)
     assert killed.returncode == -9  # SIGKILL in trial 1
     first = (sweep / "0" / "metrics.jsonl").read_text()
-    run_script("train.py", *command, timeout=300)  # the same command
+    again = run_forked("train.py", *command, timeout=300)  # the same command
+    assert again.returncode == 0, again.stderr[-3000:]
     stored = optuna.load_study(study_name="digits_optuna", storage=f"sqlite:///{db}")
     states = [(t.number, t.state.name, t.user_attrs.get("interrupted")) for t in stored.trials]
     assert states == [(0, "COMPLETE", None), (1, "FAIL", True), (2, "COMPLETE", None),
@@ -125,10 +126,10 @@ def test_a_continued_seeded_study_draws_new_parameters(tmp_path):
     db = tmp_path / "optuna.db"
     command = (*SEARCH, "trainer.epochs=1", "data.val_fraction=0.5",
                f"hydra.sweeper.storage=sqlite:///{db}")  # fmt: skip
-    run_script("train.py", *command, "hydra.sweeper.n_trials=2",
-               f"hydra.sweep.dir={tmp_path / 'first'}", timeout=300)  # fmt: skip
-    run_script("train.py", *command, "hydra.sweeper.n_trials=4",
-               f"hydra.sweep.dir={tmp_path / 'second'}", timeout=300)  # fmt: skip
+    for trials, folder in ((2, "first"), (4, "second")):
+        proc = run_forked("train.py", *command, f"hydra.sweeper.n_trials={trials}",
+                          f"hydra.sweep.dir={tmp_path / folder}", timeout=300)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
     stored = optuna.load_study(study_name="digits_optuna", storage=f"sqlite:///{db}")
     assert [t.state.name for t in stored.trials] == ["COMPLETE"] * 4
     drawn = [tuple(sorted(t.params.items())) for t in stored.trials]

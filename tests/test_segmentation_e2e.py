@@ -16,6 +16,7 @@ from conftest import (
     read_metrics,
     recorded_samples,
     run_forked,
+    run_ranks,
     run_script,
 )
 from segfolders import VAL_SIZES, seg_args, write_seg_folder
@@ -32,7 +33,8 @@ N_TRAIN = 1438
 def trained(tmp_path_factory):
     root = write_seg_folder(tmp_path_factory.mktemp("segfolder"))
     run = tmp_path_factory.mktemp("segrun")
-    run_script("train.py", *seg_args(root, "trainer.epochs=2", "logger=none"), f"run_dir={run}")
+    run_ranks("train.py", *seg_args(root, "trainer.epochs=2", "logger=none"), f"run_dir={run}",
+              nproc=1)  # fmt: skip
     return root, run
 
 
@@ -43,8 +45,8 @@ def test_eval_gives_the_same_numbers_at_world_sizes_1_2_3(trained, tmp_path):
     reports = {}
     for ws in (1, 2, 3):
         out = tmp_path / f"eval{ws}" / "eval.json"
-        run_script("eval.py", f"checkpoint={run}/checkpoints/last.pt", f"output={out}",
-                   nproc=None if ws == 1 else ws)  # fmt: skip
+        run_ranks("eval.py", f"checkpoint={run}/checkpoints/last.pt", f"output={out}",
+                  nproc=ws)  # fmt: skip
         reports[ws] = json.loads(out.read_text())
     one = reports[1]
     assert one["num_samples"] == 7 and one["classes"] == ["background", "red", "green", "blue"]
@@ -70,7 +72,7 @@ def test_eval_gives_the_same_numbers_at_world_sizes_1_2_3(trained, tmp_path):
 def reference(tmp_path_factory):
     """The uninterrupted run, its samples recorded (``rec``) and every step checkpoint kept."""
     run = tmp_path_factory.mktemp("seg_reference")
-    run_script("train.py", *DIGITS, f"run_dir={run}/run", recorder(run), nproc=2)
+    run_ranks("train.py", *DIGITS, f"run_dir={run}/run", recorder(run), nproc=2)
     return run
 
 
@@ -93,8 +95,8 @@ def test_resume_at_another_world_size_sees_each_sample_at_most_once(reference, t
     assert (ckpt["epoch"], ckpt["step"]) == (1, 50) and ckpt["sample_offset"] == 6 * 32
     rec = tmp_path / "rec"
     rec.mkdir()
-    run_script("train.py", *DIGITS, f"run_dir={tmp_path}/run", f"resume={step_50}",
-               recorder(rec))  # fmt: skip
+    run_ranks("train.py", *DIGITS, f"run_dir={tmp_path}/run", f"resume={step_50}",
+              recorder(rec), nproc=1)  # fmt: skip
     before = recorded_samples(reference, epoch=1, max_step=ckpt["step"])
     seen = before + recorded_samples(rec, epoch=1)
     assert sum(before.values()) == ckpt["sample_offset"]
@@ -121,7 +123,7 @@ def test_deeplabv3_trains_when_a_split_leaves_one_image_over(tmp_path):
             "model.arch=deeplabv3_mobilenet_v3_large", "data=segfolder", f"data.root={root}",
             "data.num_classes=4", "data.base_size=32", "data.crop_size=32", "data.batch_size=2",
             "data.num_workers=0", "sched=poly", "trainer.epochs=1", "logger=none")  # fmt: skip
-    run_script("train.py", *args, f"run_dir={tmp_path}/run", nproc=2)
+    run_ranks("train.py", *args, f"run_dir={tmp_path}/run", nproc=2)
     assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1]  # 4 images, 1 step
     proc = run_script("train.py", *args, "data.drop_last=false", f"run_dir={tmp_path}/kept",
                       nproc=2, check=False)  # fmt: skip

@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from conftest import ROOT, read_metrics, run_script
+from conftest import ROOT, read_metrics, run_ranks
 
 from ddp_utils.data.loaders import collate
 from ddp_utils.data.samplers import BAD_LABEL, IGNORE_LABEL, SENTINEL
@@ -44,7 +44,7 @@ def test_per_sample_dict_targets_collate_as_a_list_and_count_only_real_samples()
 @pytest.fixture(scope="module")
 def box_run(tmp_path_factory):
     run = tmp_path_factory.mktemp("boxes")
-    run_script("train.py", *RUN, f"run_dir={run}", nproc=2, env=ENV)
+    run_ranks("train.py", *RUN, f"run_dir={run}", nproc=2, env=ENV)
     return run
 
 
@@ -61,8 +61,8 @@ def test_a_box_task_trains_at_world_size_2_and_evaluates_the_same_at_1_and_3(box
     results = {}
     for n in (1, 3):
         out = tmp_path / f"eval{n}.json"
-        run_script("eval.py", f"checkpoint={box_run}/checkpoints/last.pt", f"output={out}",
-                   nproc=n, env=ENV)  # fmt: skip
+        run_ranks("eval.py", f"checkpoint={box_run}/checkpoints/last.pt", f"output={out}",
+                  nproc=n, env=ENV)  # fmt: skip
         results[n] = json.loads(out.read_text())
     for n, r in results.items():
         assert r["num_samples"] == 50 and r["world_size"] == n

@@ -11,7 +11,7 @@ import time
 
 import pytest
 from callbacks import fault
-from conftest import our_error_lines, read_metrics, run_script, start_script
+from conftest import our_error_lines, read_metrics, run_ranks, run_script, start_script
 
 from ddp_utils.preemption import PREEMPTED_EXIT
 
@@ -50,7 +50,7 @@ def test_every_tracker_continues_its_run_after_sigkill_with_each_step_once(tmp_p
     artifacts = {a.path for a in client.list_artifacts(mlrun.info.run_id)}
     assert {"config.yaml", "curves.png", "metrics.jsonl"} <= artifacts
     # eval.py on its checkpoint adds the evaluation to the same MLflow run
-    run_script("eval.py", f"checkpoint={run}/checkpoints/best.pt")
+    run_ranks("eval.py", f"checkpoint={run}/checkpoints/best.pt", nproc=1)
     evaluated = json.loads((run / "eval.json").read_text())
     assert "eval.json" in {a.path for a in client.list_artifacts(mlrun.info.run_id)}
     (metric,) = client.get_metric_history(mlrun.info.run_id, "eval/accuracy")
@@ -74,8 +74,8 @@ def test_a_tracker_that_cannot_start_stops_before_training_and_one_that_fails_la
     assert len(lines) == 1 and "logger=mlflow could not start" in lines[0], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr.split(lines[0])[0]  # (torchrun's own comes after)
     assert not (run / "metrics.jsonl").exists()
-    proc = run_script("train.py", "logger=[csv,tests.callbacks.FlakyTracker]", f"run_dir={run}",
-                      "trainer.epochs=3", "trainer.progress=false")  # fmt: skip
+    proc = run_ranks("train.py", "logger=[csv,tests.callbacks.FlakyTracker]", f"run_dir={run}",
+                     "trainer.epochs=3", "trainer.progress=false", nproc=1)  # fmt: skip
     warned = "logger=tests.callbacks.FlakyTracker stopped logging"
     assert (proc.stdout + proc.stderr).count(warned) == 1, proc.stderr[-2000:]
     assert len(read_metrics(run)) == 3

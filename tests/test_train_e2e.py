@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import MNIST_ROOT, compose_config, needs_mnist, read_metrics, run_forked, run_script
+from conftest import (
+    MNIST_ROOT,
+    compose_config,
+    needs_mnist,
+    read_metrics,
+    run_forked,
+    run_ranks,
+    run_script,
+)
 
 from ddp_utils.config import DataConfig
 from ddp_utils.models import build_model
@@ -17,8 +25,8 @@ def _params(path):
 def test_two_ranks_at_batch_b_equal_one_rank_at_batch_2b(tmp_path):
     common = ["model=mlp", "trainer.max_steps=12", "trainer.epochs=1", "optim.lr=0.05",
               "trainer.precision=32"]  # fmt: skip
-    run_script("train.py", *common, "data.batch_size=16", f"run_dir={tmp_path}/ddp", nproc=2)
-    run_script("train.py", *common, "data.batch_size=32", f"run_dir={tmp_path}/single")
+    run_ranks("train.py", *common, "data.batch_size=16", f"run_dir={tmp_path}/ddp", nproc=2)
+    run_ranks("train.py", *common, "data.batch_size=32", f"run_dir={tmp_path}/single", nproc=1)
     a = _params(tmp_path / "ddp" / "checkpoints" / "last.pt")
     b = _params(tmp_path / "single" / "checkpoints" / "last.pt")
     torch.manual_seed(0)  # train.py's weights come from `seed` (0) on every rank
@@ -68,7 +76,7 @@ def test_your_own_optimizer_and_schedule_by_target_train_and_resume_their_state(
             "optim._target_=torch.optim.RMSprop", "+optim.alpha=0.8", "optim.lr=0.002",
             "sched=custom", "sched._target_=torch.optim.lr_scheduler.ExponentialLR",
             "+sched.gamma=0.5", f"run_dir={tmp_path}/run", "trainer.precision=32"]  # fmt: skip
-    run_script("train.py", *args, nproc=2)
+    run_ranks("train.py", *args, nproc=2)
     ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=False)
     group = ckpt["optimizer"]["param_groups"][0]
     assert group["alpha"] == 0.8 and group["lr"] == pytest.approx(0.002 * 0.5**6)

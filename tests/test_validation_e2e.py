@@ -7,7 +7,7 @@ import json
 
 import pytest
 from callbacks import dump_validation
-from conftest import read_metrics, run_forked, run_script
+from conftest import read_metrics, run_forked, run_ranks
 
 # 1,438 digits at batch 100 on 2 ranks: 8 steps an epoch. The EMA decay gives an average that
 # differs from the weights (and holds BatchNorm statistics of its own: use_buffers).
@@ -18,7 +18,7 @@ ARGS = ("trainer.epochs=3", "trainer.precision=32", "trainer.ema_decay=0.995",
 @pytest.fixture(scope="module")
 def bn_run(tmp_path_factory):
     run = tmp_path_factory.mktemp("bn_run")
-    run_script("train.py", *ARGS, f"run_dir={run}", dump_validation(run / "val"), nproc=2)
+    run_ranks("train.py", *ARGS, f"run_dir={run}", dump_validation(run / "val"), nproc=2)
     return run
 
 
@@ -28,7 +28,7 @@ def evaluate(run, name: str, out, nproc: int | None = None, ema: bool = False) -
         proc = run_forked("eval.py", *args)
         assert proc.returncode == 0, proc.stderr
     else:
-        run_script("eval.py", *args, nproc=nproc)
+        run_ranks("eval.py", *args, nproc=nproc)
     return json.loads(out.read_text())
 
 

@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import read_metrics, run_script
+from conftest import read_metrics, run_forked, run_ranks
 from detfolders import CLASSES, write_coco_folder, write_voc_folder
 
 from ddp_utils.config import ConfigError, DetFolderData, VOCDetData
@@ -123,18 +123,18 @@ def test_a_missing_voc_folder_names_the_layout(tmp_path):
 def test_a_voc_folder_trains_and_eval_at_world_size_3_equals_the_last_validation(voc, tmp_path):
     pytest.importorskip("faster_coco_eval", reason="mAP needs faster-coco-eval (the [det] extra)")
     run = tmp_path / "run"
-    run_script("train.py", *OURS, "model=tiny_det", "task=detection", f"data.root={voc}",
-               "data.image_size=64", "data.num_workers=1", "data.batch_size=4",
-               "trainer.epochs=2", "trainer.precision=32", "optim.lr=0.01", f"run_dir={run}",
-               nproc=2)  # fmt: skip
+    run_ranks("train.py", *OURS, "model=tiny_det", "task=detection", f"data.root={voc}",
+              "data.image_size=64", "data.num_workers=1", "data.batch_size=4",
+              "trainer.epochs=2", "trainer.precision=32", "optim.lr=0.01", f"run_dir={run}",
+              nproc=2)  # fmt: skip
     last = read_metrics(run)[-1]
     assert last["val/num_samples"] == 13
     out = tmp_path / "eval.json"
-    run_script("eval.py", f"checkpoint={run}/checkpoints/last.pt", f"output={out}", nproc=3)
+    run_ranks("eval.py", f"checkpoint={run}/checkpoints/last.pt", f"output={out}", nproc=3)
     assert json.loads(out.read_text())["map"] == last["val/map"]
     broken = edited(voc, tmp_path, CASES["outside"][0])
     bad = tmp_path / "bad"
-    proc = run_script("train.py", *OURS, "model=tiny_det", "task=detection",
-                      f"data.root={broken}", f"run_dir={bad}", check=False)  # fmt: skip
+    proc = run_forked("train.py", *OURS, "model=tiny_det", "task=detection",
+                      f"data.root={broken}", f"run_dir={bad}")  # fmt: skip
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert str(annotation(broken)) in proc.stderr and not bad.exists()
