@@ -9,6 +9,7 @@ group whose rank failed, with its stderr."""
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import tempfile
@@ -22,10 +23,15 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+# once, before the forks: what sharding and saving import on first use (torch._dynamo alone
+# takes seconds), so each group's ranks spend their time on what the test is about
+import torch._dynamo  # noqa: E402, F401
+import torch.distributed.checkpoint  # noqa: E402, F401
+
 from ddp_utils.config import TrainerConfig  # noqa: E402
 from ddp_utils.dist import barrier, init_distributed, shutdown  # noqa: E402
 from ddp_utils.strategy import build_strategy  # noqa: E402
-from ddp_utils.strategy.fsdp2 import FSDP2Strategy  # noqa: E402, F401 - once, before the forks
+from ddp_utils.strategy.fsdp2 import FSDP2Strategy  # noqa: E402, F401
 
 
 def rank_main(run_dir: Path) -> None:
@@ -63,6 +69,7 @@ def start_rank(rank: int, port: int, run_dir: Path, err) -> int:
 
 
 def main(root: Path, groups: int) -> int:
+    gc.freeze()  # the forks' collections skip the parent's objects (none of them is garbage)
     for i in range(groups):
         port = free_port()
         errs = [tempfile.TemporaryFile() for _ in range(2)]  # noqa: SIM115
