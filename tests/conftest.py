@@ -36,14 +36,13 @@ needs_mnist = pytest.mark.skipif(
 
 # The longest files first: `make test` runs one file per CPU at a time (xdist --dist
 # loadfile), handed out in collection order, so starting with the long ones packs them best.
-LONGEST_FIRST = ("test_fsdp2_e2e", "test_detection_e2e", "test_strategy_matrix_e2e",
-                 "test_imagefolder_e2e", "test_resume_e2e", "test_slurm_e2e", "test_recipe_e2e",
-                 "test_full_disk_e2e",
-                 "test_segmentation_e2e", "test_lm_e2e", "test_search_e2e",
-                 "test_trackers_e2e",
-                 "test_multinode_sweep_e2e", "test_failures_e2e", "test_metrics_e2e",
-                 "test_user_view", "test_validation_e2e",
-                 "test_eval_e2e", "test_relaunch_e2e", "test_train_e2e")  # fmt: skip
+LONGEST_FIRST = ("test_fsdp2_e2e", "test_resume_e2e", "test_imagefolder_e2e", "test_detection_e2e",
+                 "test_slurm_e2e", "test_strategy_matrix_e2e", "test_trackers_e2e",
+                 "test_search_e2e", "test_docs", "test_multinode_sweep_e2e", "test_bench",
+                 "test_failures_e2e", "test_full_disk_e2e", "test_segmentation_e2e",
+                 "test_relaunch_e2e", "test_recipe_e2e", "test_lm_e2e", "test_train_e2e",
+                 "test_user_view", "test_eval_e2e", "test_metrics_e2e", "test_validation_e2e",
+                 "test_detfolder_e2e", "test_targets_e2e")  # fmt: skip
 
 
 def pytest_collection_modifyitems(items: list) -> None:
@@ -441,11 +440,15 @@ def _rank_result(rank: int, fn, world: int, store: str, out: str, args: tuple) -
 
 
 def in_gloo_group(fn, world: int, tmp_path: Path, *args):
-    """``fn(rank, world, *args)`` on every rank of a real gloo group of ``world`` processes;
-    rank 0's result (JSON-able) back here. ``fn`` is a module-level function (spawned)."""
+    """``fn(rank, world, *args)`` on every rank of a real gloo group of ``world`` processes,
+    forks of this one (see ``run_forked_group``); rank 0's result (JSON-able) back here."""
     import torch.multiprocessing as mp
 
     out = tmp_path / "rank0.json"
-    mp.spawn(_rank_result, args=(fn, world, str(tmp_path / "store"), str(out), args),
-             nprocs=world)  # fmt: skip
+    gc.freeze()
+    try:
+        mp.start_processes(_rank_result, args=(fn, world, str(tmp_path / "store"), str(out), args),
+                           nprocs=world, start_method="fork")  # fmt: skip
+    finally:
+        gc.unfreeze()
     return json.loads(out.read_text())

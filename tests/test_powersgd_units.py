@@ -152,7 +152,8 @@ def runs_of(rank: int) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("powersgd")
-    mp.spawn(worker, args=(str(tmp / "store"), str(tmp / "out.json")), nprocs=2)
+    mp.start_processes(worker, args=(str(tmp / "store"), str(tmp / "out.json")), nprocs=2,
+                       start_method="fork")  # fmt: skip
     return json.loads((tmp / "out.json").read_text())
 
 
