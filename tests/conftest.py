@@ -188,11 +188,14 @@ def run_script(
         cmd, cwd=cwd, env=child_env(**(env or {})), capture_output=True, text=True, timeout=timeout
     )
     if check and proc.returncode != 0:
-        raise AssertionError(
-            f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
-            f"\n--- stderr\n{proc.stderr[-6000:]}"
-        )
+        fail(" ".join(cmd), proc)
     return proc
+
+
+def fail(what: str, proc: subprocess.CompletedProcess):
+    """Fail the test on a run's non-zero exit, showing the run's output."""
+    raise AssertionError(f"{what} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
+                         f"\n--- stderr\n{proc.stderr[-6000:]}")  # fmt: skip
 
 
 def run_forked(
@@ -226,19 +229,47 @@ def run_ranks(
     computes at a world size (eval.py's numbers). The ranks skip seconds of imports each;
     tests of torchrun itself (restarts, its signals, its exit report) use ``run_script``.
     One result: the first failing rank's exit code, every rank's stdout and stderr."""
-    port = str(free_port())
-    envs = [{**(env or {}), "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc),
-             "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
-            for r in range(nproc)]  # fmt: skip
+    port = free_port()
+    envs = [{**(env or {}), **rank_env(r, nproc, port)} for r in range(nproc)]
     done = run_forked_group(script, *args, envs=envs, cwd=cwd, timeout=timeout)
     code = next((p.returncode for p in done if p.returncode != 0), 0)
     proc = subprocess.CompletedProcess([script, *args], code, "".join(p.stdout for p in done),
                                        "".join(p.stderr for p in done))  # fmt: skip
     if check and code != 0:
-        raise AssertionError(f"{script} {' '.join(args)} as {nproc} forked ranks exited {code}"
-                             f"\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n"
-                             f"{proc.stderr[-6000:]}")  # fmt: skip
+        fail(f"{script} {' '.join(args)} as {nproc} forked ranks", proc)
     return proc
+
+
+def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
+    """The variables torchrun gives a worker of a one-node group of ``world``."""
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": str(world),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+
+
+@contextlib.contextmanager
+def frozen_heap():
+    """For forking: the forks' garbage collections skip this process's objects, which
+    touching would copy into each fork page by page (seconds a run)."""
+    sys.stdout.flush(), sys.stderr.flush()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+def fork_ranks(fn, args: tuple, world: int) -> None:
+    """``fn(rank, *args)`` in ``world`` forks of this process, each waited for."""
+    import torch.multiprocessing as mp
+
+    with frozen_heap():
+        mp.start_processes(fn, args=args, nprocs=world, start_method="fork")
 
 
 def run_forked_group(
@@ -255,19 +286,13 @@ def run_forked_group(
     import ddp_utils.train.loop  # noqa: F401
 
     files = [(tempfile.TemporaryFile(), tempfile.TemporaryFile()) for _ in envs]  # noqa: SIM115
-    sys.stdout.flush(), sys.stderr.flush()
-    # The forks' garbage collections then skip this process's objects: touching them would
-    # copy their memory pages into each fork (seconds a run).
-    gc.freeze()
     pids = []
-    try:
+    with frozen_heap():
         for env, (out, err) in zip(envs, files, strict=True):
             pid = os.fork()
             if pid == 0:
                 _forked_main(str(ROOT / script), args, cwd, env, out.fileno(), err.fileno())
             pids.append(pid)
-    finally:
-        gc.unfreeze()
     deadline, codes = time.time() + timeout, {}
     while len(codes) < len(pids):
         for pid in pids:
@@ -442,13 +467,6 @@ def _rank_result(rank: int, fn, world: int, store: str, out: str, args: tuple) -
 def in_gloo_group(fn, world: int, tmp_path: Path, *args):
     """``fn(rank, world, *args)`` on every rank of a real gloo group of ``world`` processes,
     forks of this one (see ``run_forked_group``); rank 0's result (JSON-able) back here."""
-    import torch.multiprocessing as mp
-
     out = tmp_path / "rank0.json"
-    gc.freeze()
-    try:
-        mp.start_processes(_rank_result, args=(fn, world, str(tmp_path / "store"), str(out), args),
-                           nprocs=world, start_method="fork")  # fmt: skip
-    finally:
-        gc.unfreeze()
+    fork_ranks(_rank_result, (fn, world, str(tmp_path / "store"), str(out), args), world)
     return json.loads(out.read_text())

@@ -17,7 +17,7 @@ import traceback
 from pathlib import Path
 
 import torch
-from conftest import free_port
+from conftest import free_port, rank_env
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,8 +58,7 @@ def start_rank(rank: int, port: int, run_dir: Path, err) -> int:
     if pid:
         return pid
     os.dup2(err.fileno(), 2)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
+    os.environ.update(rank_env(rank, 2, port))
     try:
         rank_main(run_dir)
     except BaseException:  # never back into the parent's loop: this fork ends here

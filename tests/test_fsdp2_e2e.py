@@ -33,6 +33,7 @@ from conftest import (
     free_port,
     our_error_lines,
     params,
+    rank_env,
     read_metrics,
     run_forked,
     run_ranks,
@@ -220,8 +221,7 @@ def run_capped(args: tuple[str, ...], groups: list[Path]) -> list[int]:
     port = free_port()
     procs = []
     for r, group in enumerate(groups):
-        env = child_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
+        env = child_env(**rank_env(r, 2, port))
         procs.append(subprocess.Popen(
             [sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, env=env,
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
