@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_utils.config import ConfigError, TrainerConfig
+from ddp_utils.hardware import Cuda, choose_device, probe_cuda
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,9 @@ class Runtime:
     local_world_size: int
     device: torch.device
     backend: str
+    # SLURM's CPUs for this task when srun started one process per task (each has its own);
+    # None under torchrun, whose workers on a node share theirs
+    cpus_per_task: int | None = None
 
     @property
     def is_main(self) -> bool:
@@ -56,6 +60,8 @@ class LaunchEnv:
     master_addr: str | None = None
     master_port: int | None = None
     run_id: str | None = None
+    slurm_tasks: bool = False  # one process per SLURM task (srun), each bound to its own GPUs
+    cpus_per_task: int | None = None  # SLURM_CPUS_PER_TASK of such a task
 
     @property
     def launched(self) -> bool:
@@ -99,6 +105,8 @@ def read_slurm_env(env: Mapping[str, str]) -> LaunchEnv:
         # Jobs sharing a node get different ports; the range avoids the ephemeral ports.
         master_port=int(env.get("MASTER_PORT") or 15000 + int(job_id) % 20000),
         run_id=f"slurm{job_id}",
+        slurm_tasks=True,
+        cpus_per_task=int(env["SLURM_CPUS_PER_TASK"]) if env.get("SLURM_CPUS_PER_TASK") else None,
     )
 
 
@@ -109,30 +117,36 @@ def first_host(nodelist: str) -> str:
     return f"{m.group(1)}{m.group(2)}{m.group(3)}" if m else first
 
 
-def pick_device(cfg: TrainerConfig, launch: LaunchEnv) -> torch.device:
-    want = cfg.device
-    has_cuda = torch.cuda.is_available()
-    if want == "cuda" and not has_cuda:
-        raise ConfigError(
-            "trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu."
-        )
-    if want == "cpu" or not has_cuda:
-        return torch.device("cpu")
-    n_gpus = torch.cuda.device_count()
-    if launch.local_world_size > n_gpus:
-        raise ConfigError(
-            f"{launch.local_world_size} processes on this node but only {n_gpus} GPU(s): "
-            f"launch with --nproc_per_node={n_gpus} or set trainer.device=cpu."
-        )
-    return torch.device("cuda", launch.local_rank)
+def pick_device(cfg: TrainerConfig, launch: LaunchEnv, cuda: Cuda | None = None) -> torch.device:
+    """``trainer.device`` for this rank (ddp_utils.hardware.choose_device decides)."""
+    cuda = probe_cuda() if cuda is None else cuda
+    return choose_device(
+        cfg.device, launch.local_rank, launch.local_world_size, launch.slurm_tasks, cuda
+    )
 
 
 def pick_backend(cfg: TrainerConfig, device: torch.device) -> str:
+    """gloo on a CPU, NCCL on CUDA. With ``trainer.fsdp.cpu_offload`` on CUDA the gradients,
+    and so clipping's norms and the gradient scaler's inf checks, live in host memory: those
+    collectives go to a gloo backend beside NCCL (as torchtitan runs offload)."""
     if cfg.backend != "auto":
         if cfg.backend == "nccl" and device.type != "cuda":
             raise ConfigError("trainer.backend=nccl needs CUDA devices; use trainer.backend=gloo.")
         return cfg.backend
-    return "nccl" if device.type == "cuda" else "gloo"
+    if device.type != "cuda":
+        return "gloo"
+    return "cpu:gloo,cuda:nccl" if cfg.fsdp.cpu_offload else "nccl"
+
+
+# NCCL's own watchdog ends a process whose collective waited the group's timeout, before any
+# Python handler runs: the group waits this much longer than ``trainer.timeout_s``, so that
+# the step watchdog (ddp_utils.watchdog), at ``trainer.timeout_s``, names what was stuck first.
+NCCL_GRACE_S = 60.0
+
+
+def group_timeout(cfg: TrainerConfig, backend: str) -> timedelta:
+    extra = NCCL_GRACE_S if "nccl" in backend else 0.0
+    return timedelta(seconds=cfg.timeout_s + extra)
 
 
 def launch_store(launch: LaunchEnv, timeout: timedelta) -> dist.Store:
@@ -168,7 +182,7 @@ def init_distributed(cfg: TrainerConfig, env: dict[str, str] | None = None) -> R
     if device.type == "cuda":
         # Before the process group: NCCL binds each rank to the current device.
         torch.cuda.set_device(device)
-    timeout = timedelta(seconds=cfg.timeout_s)
+    timeout = group_timeout(cfg, backend)
     if not dist.is_initialized():
         if launch.launched:
             join_launch_group(launch, backend, timeout, device if device.type == "cuda" else None)
@@ -185,6 +199,7 @@ def init_distributed(cfg: TrainerConfig, env: dict[str, str] | None = None) -> R
         local_world_size=launch.local_world_size,
         device=device,
         backend=backend,
+        cpus_per_task=launch.cpus_per_task,
     )
 
 
@@ -255,8 +270,9 @@ def finish_together(timeout_s: float = 300.0) -> None:
     shutdown()
 
 
-# What a collective raises when the rank at the other end is gone (gloo, and the stores).
-PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+# What a collective raises when the rank at the other end is gone (gloo, NCCL, the stores).
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+             "remote process exited", "NCCL communicator was aborted")  # fmt: skip
 
 
 def lost_peer(e: BaseException) -> str | None:
@@ -398,11 +414,21 @@ def main_rank_runs(rt: Runtime, work: Callable[[], Any]) -> Any:
 
 @contextlib.contextmanager
 def local_main_first(rt: Runtime) -> Iterator[None]:
-    """Let local rank 0 prepare per-node files (downloads, caches) while the others wait."""
+    """Let local rank 0 prepare per-node files (downloads, caches) while the node's other ranks
+    wait for it as long as it takes (through the store, as ``main_rank_runs``: a download can
+    outlast ``trainer.timeout_s``). A node's local main is global rank ``rank - local_rank``
+    (torchrun and SLURM number a node's ranks contiguously)."""
+    key = f"ddp_recipes/local_main_done/{next(_main_waits)}/{rt.rank - rt.local_rank}"
+    if rt.world_size == 1 or not dist.is_initialized():
+        yield
+        return
+    store = group_store()
     if not rt.is_local_main:
-        barrier()
+        while not store.check([key]):
+            time.sleep(MAIN_WAIT_POLL_S)
+        yield
+        return
     try:
         yield
     finally:
-        if rt.is_local_main:
-            barrier()
+        store.set(key, b"1")

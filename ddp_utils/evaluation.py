@@ -30,7 +30,7 @@ from ddp_utils.metrics import build_metrics, evaluate, scalars
 from ddp_utils.models import memory_format_of
 from ddp_utils.run import log, setup_logging
 from ddp_utils.tasks import build_task, check_task, draw_predictions
-from ddp_utils.train.precision import amp_context, resolve_precision
+from ddp_utils.train.precision import amp_context, resolve_precision, set_numerics
 from ddp_utils.watchdog import StepWatchdog
 
 EVAL_ONLY_KEYS = ("checkpoint", "output", "ema")
@@ -96,6 +96,7 @@ def run_eval(cfg: DictConfig, implied: Sequence[str] = ()) -> dict[str, Any]:
     loader, preprocess, classes = build_eval_data(data, rt, train_cfg.seed, channels_last)
     check_classes(ckpt.get("classes"), classes, checkpoint, data)
     precision = resolve_precision(train_cfg.trainer.precision, rt.device, train_cfg.model)
+    set_numerics(train_cfg.trainer, rt.device)
     model.to(rt.device, memory_format=memory_format_of(channels_last))
     metrics = build_metrics(train_cfg.task, task, rt.device)
     # A head for another class count, or a metric that cannot take its output, stops here.

@@ -247,7 +247,9 @@ def evaluate(
         with amp():
             loss_sum, n = task.eval_step(model, batch, metrics)
         # Evaluation shards hold no padding: every row is a sample, but for a skipped image.
-        n_bad = torch.as_tensor(batch.skipped, device=rt.device)
+        # A count on the host becomes a fill on the device: no copy, so no wait for the stream.
+        n_bad = batch.skipped if torch.is_tensor(batch.skipped) else loss_sum.new_full(
+            (), batch.skipped)  # fmt: skip
         # loss sum, its count (samples, or pixels), skipped images, samples
         order.end_batch(rt.rank + j * rt.world_size,
                         torch.stack([loss_sum.double(), n.double(), n_bad.double(),

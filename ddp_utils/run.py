@@ -19,7 +19,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from ddp_utils.config import ConfigError
-from ddp_utils.dist import Runtime, barrier, broadcast_object, read_launch_env
+from ddp_utils.dist import Runtime, barrier, broadcast_object, main_rank_runs, read_launch_env
 from ddp_utils.files import UnwritableError, atomic_write_text, writing_into
 from ddp_utils.lock import RunLock
 
@@ -184,14 +184,18 @@ def write_on_main(run_dir: Path, rt: Runtime, write: Callable[[], Any]) -> None:
     """The main rank calls ``write``; then every rank learns whether it failed for want of
     space or permission, and all stop together with the same ``UnwritableError`` (alone,
     the main rank would exit and leave the others in their next collective)."""
-    error = None
-    if rt.is_main:
+
+    def attempt() -> str | None:
         try:
             with writing_into(run_dir):
                 write()
         except UnwritableError as e:
-            error = str(e)
-    error = broadcast_object(error)
+            return str(e)
+        return None
+
+    # The others wait through the store, not a collective: a multi-GB checkpoint written to
+    # a slow file system can take longer than trainer.timeout_s.
+    error = broadcast_object(main_rank_runs(rt, attempt))
     if error:
         raise UnwritableError(error)
 

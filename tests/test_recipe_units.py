@@ -15,6 +15,7 @@ from torch.nn import functional as F
 
 from ddp_utils.config import ConfigError, ConvNetModel, DataConfig, ModelConfig, OptimConfig
 from ddp_utils.data import IGNORE_LABEL
+from ddp_utils.hardware import Cuda
 from ddp_utils.models import build_model
 from ddp_utils.models.ema import EMA, ema_decay
 from ddp_utils.optim import param_groups
@@ -155,10 +156,11 @@ def test_precision_auto_picks_bf16_only_where_measured_faster():
             assert resolve_precision("auto", cpu, ZooModel()) == "32"
             assert resolve_precision("auto", cpu) == "32"
             assert resolve_precision("32", cpu) == "32"
-    for major, want in ((7, "32"), (8, "bf16"), (9, "bf16")):
-        with mock.patch("torch.cuda.get_device_capability", return_value=(major, 0)):
-            assert resolve_precision("auto", gpu, GPTModel()) == want
-            assert resolve_precision("fp16", gpu) == "fp16"
+    for major, want in ((7, "fp16"), (8, "bf16"), (9, "bf16")):
+        cuda = Cuda(usable=True, device_count=1, capability=(major, 0), name="GPU")
+        assert resolve_precision("auto", gpu, GPTModel(), cuda) == want
+        assert resolve_precision("fp16", gpu, cuda=cuda) == "fp16"
+        assert resolve_precision("32", gpu, cuda=cuda) == "32"
 
 
 def test_channels_last_auto_is_on_for_cuda_and_off_on_a_cpu():
@@ -171,7 +173,8 @@ def test_channels_last_auto_is_on_for_cuda_and_off_on_a_cpu():
     assert cfg.trainer.channels_last == "auto"
     cpu = Runtime(0, 0, 1, 1, torch.device("cpu"), "gloo")
     gpu = Runtime(0, 0, 1, 1, torch.device("cuda", 0), "nccl")
-    with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)):
+    h100 = Cuda(usable=True, device_count=1, capability=(9, 0))
+    with mock.patch("ddp_utils.train.precision.probe_cuda", return_value=h100):
         assert resolve_auto(cfg, cpu).trainer.channels_last == "false"
         assert resolve_auto(cfg, gpu).trainer.channels_last == "true"
     assert compose_config("trainer.channels_last=true").trainer.channels_last == "true"

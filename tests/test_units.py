@@ -36,6 +36,7 @@ from ddp_utils.dist import (
     read_launch_env,
     shutdown,
 )
+from ddp_utils.hardware import Cuda
 from ddp_utils.models import build_model
 from ddp_utils.optim import lr_factor
 
@@ -74,25 +75,17 @@ def test_plain_python_joins_a_group_of_one():
 
 def test_device_auto_is_cpu_without_cuda_and_cuda_is_refused():
     env = read_launch_env(TORCHRUN_ENV)
-    with mock.patch("torch.cuda.is_available", return_value=False):
-        assert pick_device(TrainerConfig(device="auto"), env).type == "cpu"
-        with pytest.raises(ConfigError, match="trainer.device=cuda"):
-            pick_device(TrainerConfig(device="cuda"), env)
+    assert pick_device(TrainerConfig(device="auto"), env, Cuda()).type == "cpu"
+    with pytest.raises(ConfigError, match="trainer.device=cuda"):
+        pick_device(TrainerConfig(device="cuda"), env, Cuda())
 
 
 def test_more_local_processes_than_gpus_fails_fast():
     env = read_launch_env(TORCHRUN_ENV)  # 4 local processes
-    with (
-        mock.patch("torch.cuda.is_available", return_value=True),
-        mock.patch("torch.cuda.device_count", return_value=2),
-        pytest.raises(ConfigError, match="--nproc_per_node=2"),
-    ):
-        pick_device(TrainerConfig(device="auto"), env)
-    with (
-        mock.patch("torch.cuda.is_available", return_value=True),
-        mock.patch("torch.cuda.device_count", return_value=4),
-    ):
-        assert pick_device(TrainerConfig(), env) == torch.device("cuda", 1)
+    with pytest.raises(ConfigError, match="--nproc_per_node=2"):
+        pick_device(TrainerConfig(device="auto"), env, Cuda(usable=True, device_count=2))
+    four = Cuda(usable=True, device_count=4)
+    assert pick_device(TrainerConfig(), env, four) == torch.device("cuda", 1)
 
 
 def test_backend_choice():

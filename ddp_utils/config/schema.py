@@ -80,7 +80,12 @@ class TrainerConfig:
     compile: bool = False
     device: str = "auto"
     backend: str = "auto"
-    timeout_s: float = 300.0  # process-group init and collective timeout
+    # Reproducible kernels (torch.use_deterministic_algorithms, cuDNN deterministic, no
+    # autotuning, no TF32): the same numbers from the same seed on GPUs too, slower there
+    deterministic: bool = False
+    # A rank that makes no progress this long stops the job (the step watchdog); also the
+    # rendezvous and collective timeout (NCCL's: a minute longer, docs/gpus.md)
+    timeout_s: float = 300.0
     log_every_steps: int = 50
     # NHWC activations: auto = on for CUDA (tensor-core convolutions), off on a CPU (measured
     # slower there) | true | false

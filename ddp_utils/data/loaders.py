@@ -53,11 +53,14 @@ class TensorLoader:
             yield self.images[idx], labels
 
 
-def default_num_workers(local_world_size: int) -> int:
-    """``data.num_workers=null``: the cores this process may use, shared by the node's ranks,
-    less one for the training process itself; at least 1."""
+def default_num_workers(local_world_size: int, cpus_per_task: int | None = None) -> int:
+    """``data.num_workers=null``: the cores this process may use, less one for the training
+    process itself; at least 1. Under torchrun the node's ranks share the cores they see;
+    a SLURM task (srun, one process per task) has ``cpus_per_task`` of its own."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, min(MAX_AUTO_WORKERS, (cores or 1) // local_world_size - 1))
+    cores = cores or 1
+    share = min(cores, cpus_per_task) if cpus_per_task else cores // local_world_size
+    return max(1, min(MAX_AUTO_WORKERS, share - 1))
 
 
 def collate(items: list[tuple[Any, Any]]) -> Any:
@@ -79,9 +82,9 @@ def worker_loader(ds: Dataset, sampler: Sampler, cfg: DataConfig, rt: Runtime) -
     Its own generator keeps the DataLoader's base-seed draw off the global RNG, whose state
     checkpoints carry: with it, a resumed run draws exactly what an uninterrupted one does.
     """
-    workers = (
-        default_num_workers(rt.local_world_size) if cfg.num_workers is None else cfg.num_workers
-    )
+    workers = cfg.num_workers
+    if workers is None:
+        workers = default_num_workers(rt.local_world_size, rt.cpus_per_task)
     return DataLoader(
         ds,
         batch_size=cfg.batch_size,

@@ -183,6 +183,11 @@ class Strategy:
         """Clip the gradients' global norm (over every rank's share of the parameters)."""
         return nn.utils.clip_grad_norm_(self.raw_model.parameters(), max_norm)
 
+    def make_scaler(self, enabled: bool) -> torch.amp.GradScaler:
+        """fp16's gradient scaler. Every rank holds whole gradients, all-reduced alike, so
+        every rank finds the same overflows."""
+        return torch.amp.GradScaler(self.rt.device.type, enabled=enabled)
+
     def sync_buffers(self, modules: Sequence[nn.Module]) -> None:
         """Give every rank rank 0's buffers (BatchNorm's running statistics) of ``modules``:
         what is validated and saved is then what every rank holds."""

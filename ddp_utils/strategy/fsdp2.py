@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import ctypes
 import itertools
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -38,6 +39,7 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     fully_shard,
 )
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from ddp_utils.checkpoint import save_sharded
 from ddp_utils.config import ConfigError
@@ -97,6 +99,14 @@ def fixed_mmap_threshold(nbytes: int = 1 << 20) -> None:
     libc.mallopt(-3, nbytes)  # M_MMAP_THRESHOLD: fixed, which also stops its adjustment
 
 
+def buffers_to(module: nn.Module, device: torch.device) -> None:
+    """Move every buffer of ``module`` (not its parameters) to ``device``."""
+    for m in module.modules():
+        for name, buf in m._buffers.items():
+            if buf is not None and buf.device != device:
+                m._buffers[name] = buf.to(device)
+
+
 class FSDP2Strategy(Strategy):
     lockstep_eval = True
     shards_parameters = True
@@ -154,6 +164,9 @@ class FSDP2Strategy(Strategy):
         those no state dict holds) broadcast from the main rank."""
         if any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers())):
             module.to_empty(device="cpu" if self.trainer.fsdp.cpu_offload else self.rt.device)
+            # Offload keeps parameters in host memory, never buffers: fully_shard put the main
+            # rank's on the device, where the forward (BatchNorm) and the broadcast expect them.
+            buffers_to(module, self.rt.device)
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
         # A copy: torch puts the shards it made into the dict it is given (the EMA twin is
         # filled from the same one).
@@ -184,6 +197,14 @@ class FSDP2Strategy(Strategy):
                 fully_shard(unit, mesh=mesh, mp_policy=mp, **kwargs)
         if not any(module is norm for norm in norms):
             fully_shard(module, mesh=mesh, mp_policy=mp, **kwargs)
+
+    def make_scaler(self, enabled: bool) -> torch.amp.GradScaler:
+        """Each rank checks only its gradient shards for overflows: the sharded scaler
+        all-reduces what it found, so that every rank skips the same steps."""
+        # Its overflow flag has shape (1,), which DTensor's dispatch warns about at every
+        # unscale (and then handles as a replicated value, which it is).
+        warnings.filterwarnings("ignore", "Found a non-scalar tensor with numel=1", UserWarning)
+        return ShardedGradScaler(self.rt.device.type, enabled=enabled)
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -79,20 +79,39 @@ _TM = "torchmetrics.classification."
 def classification_metrics(num_classes: int) -> dict[str, dict[str, Any]]:
     """The default metrics (the names eval.json has always used)."""
     n = num_classes
+    # validate_args=False: torchmetrics' checks run torch.unique on every update, a host sync
+    # per batch on a GPU; the labels were checked by the loss (cross_entropy refuses one out
+    # of range) before they reach a metric.
     metrics: dict[str, dict[str, Any]] = {
-        "accuracy": {"_target_": _TM + "MulticlassAccuracy", "num_classes": n, "average": "micro"},
-        "f1_macro": {"_target_": _TM + "MulticlassF1Score", "num_classes": n, "average": "macro"},
+        "accuracy": {
+            "_target_": _TM + "MulticlassAccuracy",
+            "num_classes": n,
+            "average": "micro",
+            "validate_args": False,
+        },
+        "f1_macro": {
+            "_target_": _TM + "MulticlassF1Score",
+            "num_classes": n,
+            "average": "macro",
+            "validate_args": False,
+        },
         # A class's accuracy is its recall (0 for a class without samples).
         "per_class_accuracy": {
             "_target_": _TM + "MulticlassRecall",
             "num_classes": n,
             "average": "none",
+            "validate_args": False,
         },  # fmt: skip
-        "confusion_matrix": {"_target_": _TM + "MulticlassConfusionMatrix", "num_classes": n},
+        "confusion_matrix": {
+            "_target_": _TM + "MulticlassConfusionMatrix",
+            "num_classes": n,
+            "validate_args": False,
+        },
     }
     if n > TOP_K:
         metrics[f"top{TOP_K}"] = {"_target_": _TM + "MulticlassAccuracy", "num_classes": n,
-                                  "average": "micro", "top_k": TOP_K}  # fmt: skip
+                                  "average": "micro", "top_k": TOP_K,
+                                  "validate_args": False}  # fmt: skip
     return metrics
 
 

@@ -1,4 +1,5 @@
-"""Mixed precision: ``trainer.precision`` (auto, 32, bf16, fp16) and its autocast contexts."""
+"""Mixed precision: ``trainer.precision`` (auto, 32, bf16, fp16) and its autocast contexts, and
+the numerics switches a run sets (``trainer.deterministic``, cuDNN autotuning, TF32)."""
 
 from __future__ import annotations
 
@@ -9,30 +10,34 @@ from typing import Any
 
 import torch
 
+from ddp_utils.config import TrainerConfig
+from ddp_utils.hardware import (
+    Cuda,
+    apply_backend_flags,
+    auto_precision,
+    backend_flags,
+    check_precision,
+    probe_cuda,
+)
+
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def native_bf16(device: torch.device) -> bool:
-    """Whether ``device`` computes in bf16 natively: CUDA from compute capability 8.0 (Ampere),
-    CPUs with AMX tiles or AVX512-BF16."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_capability(device)[0] >= 8
-    if device.type == "cpu":
-        return torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
-    return False
-
-
-def resolve_precision(precision: str, device: torch.device, model: Any = None) -> str:
-    """``auto``: bf16 where it was measured faster (docs/speed.md), else full precision.
-    CUDA from Ampere on. On a CPU only with AMX tiles, and only for a model option that
-    declares ``bf16_on_cpu`` (the tutorial's ConvNet: 1.44x at 28 px); a GPT (0.74x) or a
-    ResNet (0.90x) train slower there in bf16, as every model does without AMX."""
-    if precision != "auto":
-        return precision
-    if device.type == "cpu":
-        fast = torch.cpu._is_amx_tile_supported() and getattr(model, "bf16_on_cpu", False)
-        return "bf16" if fast else "32"
-    return "bf16" if native_bf16(device) else "32"
+def resolve_precision(
+    precision: str, device: torch.device, model: Any = None, cuda: Cuda | None = None
+) -> str:
+    """``auto``: what was measured faster (docs/speed.md). On CUDA bf16 from Ampere on, fp16
+    with a gradient scaler before. On a CPU bf16 only with AMX tiles, and only for a model
+    option that declares ``bf16_on_cpu`` (the tutorial's ConvNet: 1.44x at 28 px); a GPT
+    (0.74x) or a ResNet (0.90x) train slower there in bf16, as every model does without AMX.
+    An explicit bf16 on a GPU without bf16 units is refused (ConfigError)."""
+    if cuda is None:
+        cuda = probe_cuda(index=device.index or 0) if device.type == "cuda" else Cuda()
+    if precision == "auto":
+        amx = device.type == "cpu" and torch.cpu._is_amx_tile_supported()
+        return auto_precision(device.type, cuda, amx, getattr(model, "bf16_on_cpu", False))
+    check_precision(precision, device.type, cuda)
+    return precision
 
 
 def amp_context(precision: str, device: torch.device) -> Callable[[], AbstractContextManager]:
@@ -42,3 +47,10 @@ def amp_context(precision: str, device: torch.device) -> Callable[[], AbstractCo
         return contextlib.nullcontext
     dtype = AMP_DTYPES[precision]
     return lambda: torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def set_numerics(trainer: TrainerConfig, device: torch.device) -> None:
+    """cuDNN autotuning and TF32 on CUDA (off with ``trainer.deterministic``), and torch's
+    deterministic algorithms with it: set for every run, so a sweep's jobs do not inherit the
+    previous job's."""
+    apply_backend_flags(backend_flags(device.type, trainer.deterministic), device.type)

@@ -27,7 +27,7 @@ from ddp_utils.progress import Progress
 from ddp_utils.strategy import Strategy, build_strategy, strategy_class
 from ddp_utils.tasks import Task, build_task, check_task
 from ddp_utils.tracking import Trackers, build_trackers
-from ddp_utils.train.precision import amp_context, resolve_precision
+from ddp_utils.train.precision import amp_context, resolve_precision, set_numerics
 from ddp_utils.train.rng import seed_everything
 from ddp_utils.watchdog import StepWatchdog
 
@@ -154,6 +154,7 @@ def build_training(cfg: TrainConfig, rt: Runtime, run_dir: Path, callbacks: Any)
     """Every rank: the model, data, optimizer and the helpers of one run (the stop request
     creates a process group, so all ranks must call this). ``cfg`` has a resolved precision."""
     t = cfg.trainer
+    set_numerics(t, rt.device)
     # The same seed on every rank for the weights (DDP also broadcasts rank 0's), then a
     # per-rank seed so augmentation and dropout differ between ranks.
     seed_everything(cfg.seed)
@@ -180,7 +181,7 @@ def build_training(cfg: TrainConfig, rt: Runtime, run_dir: Path, callbacks: Any)
         optimizer=optimizer,
         scheduler=build_scheduler(cfg.sched, optimizer, cfg.optim.lr, total_steps, steps_per_epoch),
         warmup_steps=warmup_steps(cfg.sched, steps_per_epoch),
-        scaler=torch.amp.GradScaler(rt.device.type, enabled=t.precision == "fp16"),
+        scaler=strategy.make_scaler(enabled=t.precision == "fp16"),
         amp=amp_context(t.precision, rt.device),
         ema=build_ema(cfg, rt, strategy),
         total_steps=total_steps,
