@@ -5,19 +5,26 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 NPROC  ?= 2
 ARGS   ?=
+# torch's wheel index for a cluster's CUDA, e.g. https://download.pytorch.org/whl/cu126
+# (docs/install.md); empty: PyPI's default wheel
+TORCH_INDEX ?=
+# the device of both sides of bench-lm, -det, -comm, -memory, -peer, -nanogpt: cpu | cuda
+DEVICE ?= cpu
+export DEVICE
 
 .DEFAULT_GOAL := help
-.PHONY: help install train test test-fast docs lint format clean bench bench-gpu bench-data bench-seg bench-det bench-memory bench-comm bench-peer bench-profile bench-lm bench-nanogpt recipes
+.PHONY: help install train test test-fast docs lint format clean bench bench-gpu gpu-check bench-data bench-seg bench-det bench-memory bench-comm bench-peer bench-profile bench-lm bench-nanogpt recipes
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(if $(TORCH_INDEX),$(BIN)/python -m pip install -q torch torchvision --index-url $(TORCH_INDEX))
 	$(BIN)/python -m pip install -q -e '.[dev,timm,slurm,lm,hf,optuna,mlflow,wandb,det]'
 	touch $(STAMP)
 
-install: $(STAMP)  ## create .venv and install the project with its dev tools and every optional extra (timm, submitit, tokenizers, transformers, optuna, mlflow, wandb, faster-coco-eval)
+install: $(STAMP)  ## create .venv and install the project with its dev tools and every optional extra; TORCH_INDEX=URL: torch for your CUDA (timm, submitit, tokenizers, transformers, optuna, mlflow, wandb, faster-coco-eval)
 
 train: $(STAMP)  ## train on the embedded digits with NPROC (default 2) processes; ARGS= for overrides
 	$(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) train.py $(ARGS)
@@ -36,6 +43,9 @@ bench: $(STAMP)  ## speed: tutorial loop vs train.py vs raw bound on the CPU (a 
 
 bench-gpu: $(STAMP)  ## the same on a CUDA GPU, plus bf16 and torch.compile
 	$(BIN)/python bench/bench.py --device cuda
+
+gpu-check: $(STAMP)  ## on a CUDA machine: the GPU tests, bench-gpu and an NCCL run of each task family, one table (<10 min); skips without a GPU
+	$(BIN)/python bench/gpu_check.py
 
 bench-data: $(STAMP)  ## input pipeline: image folder of JPEGs, train.py vs the references' loader
 	$(BIN)/python -c "import skimage" 2>/dev/null || $(BIN)/python -m pip install -q -e '.[bench]'

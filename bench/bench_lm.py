@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+from devices import ours_device
 
 from bench import bench_result, env  # bench/bench.py: bench/ is a folder of scripts
 
@@ -29,8 +30,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def torchrun(world_size: int, script: str, *args: str) -> str:
+    """``script`` under torchrun on DEVICE (bench/devices.py): train.py is given
+    ``trainer.device``, a baseline loop reads DEVICE itself."""
+    device = ours_device() if script == "train.py" else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={world_size}", str(ROOT / script), *args]  # fmt: skip
+           f"--nproc_per_node={world_size}", str(ROOT / script), *args, *device]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env(), cwd=ROOT)
     if proc.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")

@@ -1,7 +1,8 @@
 """The memory benchmark: `make bench-memory`.
 
 Per rank at world size 2: the bytes of parameters + gradients + optimizer state (AdamW: two
-moments) that the rank holds, its peak resident memory, and the median step time, for
+moments) that the rank holds, its peak memory (resident on a CPU, allocated on a GPU:
+DEVICE=cuda), and the median step time, for
 trainer.strategy=ddp against fsdp2, each also with trainer.activation_checkpointing, on the
 GPT recipes: experiment=lm_char (its shape, on random tokens) and experiment=gpt2_124m's
 12 x 768 GPT (124M parameters) for a few steps, one window a step, of 128 tokens and of its
@@ -62,8 +63,9 @@ def measure(recipe: str, variant: str, tmp: Path) -> dict:
              f"callbacks=[{{_target_:memory_probe.MemoryProbe,folder:{probe}}}]")  # fmt: skip
     ranks = [json.loads((probe / f"rank{r}.json").read_text()) for r in (0, 1)]
     state = max(sum(r["state_bytes"].values()) for r in ranks)
-    peaks = [r["peak_rss_bytes"] / 2**20 for r in ranks]
-    return {"state_MiB": state / 2**20, "peak_rss_MiB": max(peaks), "peak_rss_rank_MiB": peaks,
+    peaks = [r["peak_bytes"] / 2**20 for r in ranks]
+    return {"state_MiB": state / 2**20, "peak_MiB": max(peaks), "peak_rank_MiB": peaks,
+            "peak_kind": ranks[0]["peak_kind"],
             "step_s": statistics.median(r["step_s"] for r in ranks)}  # fmt: skip
 
 
@@ -81,7 +83,7 @@ def main() -> None:
                              **measure(recipe, variant, Path(t))})  # fmt: skip
                 print(rows[-1], flush=True)
     header = ("| recipe | strategy | params + grads + optimizer a rank (MiB) | x ddp | "
-              "peak RSS rank 0 / rank 1 (MiB) | step (s) |\n"
+              f"peak {rows[0]['peak_kind']} rank 0 / rank 1 (MiB) | step (s) |\n"
               "| --- | --- | --- | --- | --- | --- |")  # fmt: skip
     save_rows(args.out, rows, header)
     for r in rows:
@@ -89,7 +91,7 @@ def main() -> None:
         print(
             f"| {r['recipe']} | {r['strategy']} | {r['state_MiB']:,.1f} | "
             f"{r['state_MiB'] / base['state_MiB']:.2f} | "
-            f"{' / '.join(f'{m:,.0f}' for m in r['peak_rss_rank_MiB'])} | "
+            f"{' / '.join(f'{m:,.0f}' for m in r['peak_rank_MiB'])} | "
             f"{r['step_s']:.3f} |"
         )
     print(f"written to {args.out}")

@@ -20,7 +20,6 @@ import json
 import math
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -32,6 +31,8 @@ from torchvision.transforms import v2
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from devices import clock, join_group  # noqa: E402 - bench/devices.py
 
 from ddp_utils.config import to_schema  # noqa: E402
 from ddp_utils.data.detection.canvases import DetCanvasSource  # noqa: E402 - the same data
@@ -73,7 +74,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--workers", type=int, default=0)
     args = p.parse_args()
-    dist.init_process_group("gloo")
+    device = join_group()
     rank, world = dist.get_rank(), dist.get_world_size()
     register()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
@@ -84,19 +85,20 @@ def main() -> None:
     batches = BatchSampler(sampler, cfg.data.batch_size, drop_last=True)
     loader = DataLoader(data, batch_sampler=batches, num_workers=args.workers,
                         collate_fn=collate_fn)  # fmt: skip
-    model = DDP(build_model(cfg.model, cfg.data))
+    model = build_model(cfg.model, cfg.data).to(device)
+    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     params = [q for q in model.parameters() if q.requires_grad]
     optimizer = torch.optim.SGD(params, lr=cfg.optim.lr, momentum=0.9, weight_decay=1e-4)
     warmup = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.001,
                                                total_iters=min(1000, len(loader) - 1))  # fmt: skip
-    device, it, start = torch.device("cpu"), 0, 0.0
+    it, start = 0, 0.0
     model.train()
     for epoch in range(math.ceil((args.warmup + args.steps) / len(loader)) + 1):
         sampler.set_epoch(epoch)
         for images, targets in loader:
             if it == args.warmup:
                 dist.barrier()
-                start = time.perf_counter()
+                start = clock(device)
             if it == args.warmup + args.steps:
                 break
             images = list(image.to(device) for image in images)
@@ -114,8 +116,8 @@ def main() -> None:
             it += 1
         if it == args.warmup + args.steps:
             break
+    elapsed = clock(device) - start
     dist.barrier()
-    elapsed = time.perf_counter() - start
     if rank == 0:
         images_per_s = args.steps * cfg.data.batch_size * world / elapsed
         print("BENCH " + json.dumps({"world_size": world, "images_per_s": images_per_s}))

@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +24,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from devices import clock, join_group  # noqa: E402 - bench/devices.py
 
 from ddp_utils.models.gpt import GPT  # noqa: E402 - the same model as train.py's
 
@@ -44,11 +45,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--warmup", type=int, default=20)
     args = p.parse_args()
-    dist.init_process_group("gloo")
+    device = join_group()
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(1337 + rank)
     block, batch = 64, 12
-    model = DDP(GPT(args.vocab, block, n_layer=4, n_head=4, n_embd=128, dropout=0.0))
+    gpt = GPT(args.vocab, block, n_layer=4, n_head=4, n_embd=128, dropout=0.0).to(device)
+    model = DDP(gpt, device_ids=[device.index] if device.type == "cuda" else None)
     decay = [q for q in model.parameters() if q.dim() >= 2]
     other = [q for q in model.parameters() if q.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
@@ -58,10 +60,10 @@ def main() -> None:
     for it in range(args.warmup + args.steps):
         if it == args.warmup:
             dist.barrier()
-            start = time.perf_counter()
+            start = clock(device)
         for group in opt.param_groups:
             group["lr"] = 1e-3 * min(1.0, (it + 1) / 101)
-        x, y = get_batch(args.root, block, batch, "cpu")
+        x, y = get_batch(args.root, block, batch, device)
         logits = model(x)
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
         loss.backward()
@@ -69,8 +71,8 @@ def main() -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
         _ = loss.item()  # the per-iteration log line
+    elapsed = clock(device) - start
     dist.barrier()
-    elapsed = time.perf_counter() - start
     if rank == 0:
         tokens = args.steps * batch * block * world
         print("BENCH " + json.dumps({"world_size": world, "tokens_per_s": tokens / elapsed}))

@@ -28,11 +28,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from devices import bench_device, ours_device  # bench/, beside this file
+
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = ROOT.parent / "shared" / "data" / "tiny_shakespeare" / "input.txt"
 RESULTS = ROOT / "bench" / "results"
 BLOCK = 64
-THEIR_ARGS = ["config/train_shakespeare_char.py", "--device=cpu", "--compile=False",
+THEIR_ARGS = ["config/train_shakespeare_char.py", f"--device={bench_device()}", "--compile=False",
               "--eval_iters=20", f"--block_size={BLOCK}", "--batch_size=12", "--n_layer=4",
               "--n_head=4", "--n_embd=128", "--max_iters=2000", "--lr_decay_iters=2000",
               "--dropout=0.0", "--dtype=float32", "--always_save_checkpoint=True"]  # fmt: skip
@@ -111,7 +113,7 @@ def main() -> None:
             run = tmp / f"ours{i}"
             ours = [sys.executable, str(ROOT / "train.py"), "experiment=lm_char", "data=tokens",
                     f"data.root={prepared}", f"run_dir={run}", "logger=none",
-                    "trainer.progress=false", *args.ours_args]  # fmt: skip
+                    "trainer.progress=false", *ours_device(), *args.ours_args]  # fmt: skip
             walls["train.py"].append(timed(ours, ROOT, env))
             last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
             losses["train.py"].append(last["val/loss"])

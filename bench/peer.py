@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import profile_summary  # bench/, beside this file
+from devices import bench_device, ours_device
 
 ROOT = Path(__file__).resolve().parents[1]
 MNIST = ROOT.parent / "shared" / "data" / "mnist10k"
@@ -79,7 +80,7 @@ def ours_command(
             "optim=sgd", f"optim.lr={a.lr}", "optim.momentum=0.9", "optim.weight_decay=1e-4",
             "sched=cosine", f"trainer.epochs={a.epochs}", "trainer.precision=32",
             "trainer.progress=false", f"run_dir={run_dir}",
-            f"callbacks=[{{_target_: peer_timing.Timing}}{callbacks}]"]  # fmt: skip
+            f"callbacks=[{{_target_: peer_timing.Timing}}{callbacks}]", *ours_device()]  # fmt: skip
 
 
 def theirs_command(data: Path, run_dir: Path, a: argparse.Namespace) -> list[str]:
@@ -87,7 +88,7 @@ def theirs_command(data: Path, run_dir: Path, a: argparse.Namespace) -> list[str
     job, through bench/peer_reference.py (its CPU changes); its validation resizes to
     crop / 0.875 and center-crops, as its presets do at 224 / 256."""
     return [*TORCHRUN, str(ROOT / "bench" / "peer_reference.py"), f"--references={a.references}",
-            "--", f"--data-path={data}", "--model=resnet18", "--device=cpu",
+            "--", f"--data-path={data}", "--model=resnet18", f"--device={bench_device()}",
             f"--output-dir={run_dir}", f"--epochs={a.epochs}", f"--batch-size={a.batch_size}",
             f"--workers={a.workers}", f"--lr={a.lr}", "--momentum=0.9", "--wd=1e-4",
             "--lr-scheduler=cosineannealinglr", f"--train-crop-size={a.crop}",

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from devices import bench_device  # noqa: I001 - bench/, beside this file
 
 from ddp_utils.dist import shutdown
 
@@ -127,7 +128,8 @@ def main() -> None:
     ours, theirs = p.parse_args(argv[:cut]), argv[cut + 1 :]
     folder = reference_folder(ours.references.expanduser().resolve())
     sys.path.insert(0, str(folder))
-    run_on_cpu()
+    if bench_device() == "cpu":
+        run_on_cpu()
     train, utils = importlib.import_module("train"), importlib.import_module("utils")
     args = train.get_args_parser().parse_args(theirs)
     prof = None

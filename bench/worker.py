@@ -65,7 +65,8 @@ def timed(fn, rt) -> float:
     fn()
     if rt.device.type == "cuda":
         torch.cuda.synchronize()
-    elapsed = torch.tensor([time.perf_counter() - start])
+    # On the group's device: NCCL has no backend for host tensors.
+    elapsed = torch.tensor([time.perf_counter() - start], device=rt.device)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     return float(elapsed)
 

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from ddp_utils.config import ConfigError, TrainerConfig
 from ddp_utils.dist import init_distributed, read_launch_env, shutdown
+from ddp_utils.hardware import INSTALL_DOC, choose_device, probe_cuda
 
 
 @dataclass
@@ -44,35 +45,42 @@ class Report:
 
 
 def versions() -> dict[str, str | None]:
-    cuda = torch.cuda.is_available()
+    cuda = probe_cuda()
     return {
         "python": sys.version.split()[0],
         "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "cuda available": str(cuda),
-        "gpus": str(torch.cuda.device_count()),
-        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
+        "torch built for cuda": cuda.wheel_cuda,
+        "driver runs cuda": cuda.driver_cuda,
+        "nvidia gpus on the host": str(cuda.nvidia_devices),
+        "cuda available": str(cuda.usable),
+        "gpus": str(cuda.device_count),
+        "gpu": f"{cuda.name} (compute capability {'.'.join(map(str, cuda.capability))})"
+        if cuda.capability
+        else None,
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda.usable else None,
         "gloo": str(dist.is_gloo_available()),
     }
 
 
 def check_local(report: Report) -> None:
-    """Problems visible on this machine alone: NCCL, and processes against GPUs."""
-    launch = read_launch_env()
-    if torch.cuda.is_available():
-        if not dist.is_nccl_available():
-            report.fail(
-                "CUDA is available but this torch build has no NCCL",
-                "install a CUDA build of torch with NCCL, or use trainer.backend=gloo",
-            )
-        n_gpus = torch.cuda.device_count()
-        if launch.local_world_size > n_gpus:
-            report.fail(
-                f"{launch.local_world_size} processes on this node but {n_gpus} GPU(s)",
-                f"launch with --nproc_per_node={n_gpus}, or train on CPU (trainer.device=cpu)",
-            )
-    elif not dist.is_gloo_available():
+    """Problems visible on this machine alone: GPUs torch cannot use, NCCL, processes
+    against GPUs (the checks train.py's trainer.device=auto makes)."""
+    launch, cuda = read_launch_env(), probe_cuda()
+    if cuda.usable and not dist.is_nccl_available():
+        report.fail(
+            "CUDA is available but this torch build has no NCCL",
+            "install a CUDA build of torch with NCCL, or use trainer.backend=gloo",
+        )
+    if not cuda.usable and not dist.is_gloo_available():
         report.fail("no CUDA and no gloo backend", "install a torch build with gloo")
+    try:
+        device = choose_device(
+            "auto", launch.local_rank, launch.local_world_size, launch.slurm_tasks, cuda
+        )
+    except ConfigError as e:  # its message names the fix
+        report.fail(str(e), f"see {INSTALL_DOC}")
+        return
+    report.ok(f"trainer.device=auto trains on {device}")
 
 
 def check_port_free(report: Report, port: int, host: str = "0.0.0.0") -> None:

@@ -142,6 +142,11 @@ class StopRequest:
         if drain and self._pending is not None:
             self._pending.wait()
         self._pending = None
+        if drain and self._group is not None:
+            # A sweep runs many jobs in one process group: each job's side group goes with it.
+            # (Not after a failure: a pending reduce with a peer gone could hold it.)
+            dist.destroy_process_group(self._group)
+            self._group = None
         for s, handler in self._previous.items():
             signal.signal(s, handler)
 

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 
+import pytest
+import torch
 from conftest import ROOT, run_script
 
 sys.path.insert(0, str(ROOT / "bench"))
@@ -200,6 +203,32 @@ def test_bench_memory_counts_half_the_state_a_rank_under_fsdp2(tmp_path):
 
     bench_memory.RECIPES["lm_char"] = (128, ["experiment=lm_char", "trainer.max_steps=3"])
     rows = {s: bench_memory.measure("lm_char", s, tmp_path) for s in ("ddp", "fsdp2")}
-    assert all(r["peak_rss_MiB"] > 0 and r["step_s"] > 0 for r in rows.values())
-    assert all(len(r["peak_rss_rank_MiB"]) == 2 for r in rows.values())
+    assert all(r["peak_MiB"] > 0 and r["step_s"] > 0 for r in rows.values())
+    assert all(len(r["peak_rank_MiB"]) == 2 for r in rows.values())
     assert abs(rows["fsdp2"]["state_MiB"] / rows["ddp"]["state_MiB"] - 0.5) < 0.01
+
+
+def test_gpu_check_skips_cleanly_without_a_gpu():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: make gpu-check runs its checks")
+    proc = subprocess.run([sys.executable, "bench/gpu_check.py"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("gpu-check: skipped: no NVIDIA GPU on this host")
+
+
+def test_benchmarks_run_both_sides_on_one_device(monkeypatch):
+    import bench_lm
+    import devices
+
+    monkeypatch.setenv("DEVICE", "cuda")
+    assert devices.ours_device() == ["trainer.device=cuda"]
+    calls = []
+    monkeypatch.setattr(bench_lm.subprocess, "run", lambda cmd, **kw: calls.append(cmd) or
+                        subprocess.CompletedProcess(cmd, 0, "", ""))  # fmt: skip
+    bench_lm.torchrun(2, "train.py", "experiment=lm_char")
+    bench_lm.torchrun(2, "bench/lm_loop.py", "--steps=1")
+    assert calls[0][-1] == "trainer.device=cuda" and "trainer.device=cuda" not in calls[1]
+    monkeypatch.setenv("DEVICE", "gpu")
+    with pytest.raises(SystemExit, match="DEVICE=gpu: choose one of cpu, cuda"):
+        devices.bench_device()

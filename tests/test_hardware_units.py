@@ -237,3 +237,29 @@ def test_fsdp2s_scaler_skips_a_step_on_every_rank_when_one_rank_overflowed(tmp_p
     assert in_gloo_group(_scale_after_an_overflow_on_rank_one, 2, tmp_path, "fsdp2") == 0.5
     (tmp_path / "ddp").mkdir()
     assert in_gloo_group(_scale_after_an_overflow_on_rank_one, 2, tmp_path / "ddp", "ddp") == 1.0
+
+
+def test_each_sweep_job_reports_its_own_peak_memory():
+    from ddp_utils.tracking import peak_memory_mb, reset_peak_memory
+
+    cpu = torch.device("cpu")
+    block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+    block.add_(1)
+    high = peak_memory_mb(cpu)
+    del block
+    reset_peak_memory(cpu)
+    assert peak_memory_mb(cpu) < high - 32
+
+
+def test_doctor_reports_gpus_torch_cannot_use(capsys):
+    from ddp_utils import doctor
+
+    report = doctor.Report()
+    with mock.patch.object(doctor, "probe_cuda", return_value=OLD_DRIVER):
+        doctor.check_local(report)
+    out = capsys.readouterr().out
+    assert report.problems and "FAIL" in out and "CUDA 12.4" in out and "docs/install.md" in out
+    report = doctor.Report()
+    with mock.patch.object(doctor, "probe_cuda", return_value=Cuda()):
+        doctor.check_local(report)
+    assert not report.problems and "trains on cpu" in capsys.readouterr().out

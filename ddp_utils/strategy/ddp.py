@@ -84,6 +84,11 @@ class DDPStrategy(Strategy):
             "bucket_cap_mb": t.bucket_cap_mb,
             "gradient_as_bucket_view": t.gradient_as_bucket_view,
             "static_graph": t.static_graph,
+            # No broadcast of rank 0's buffers before every forward (a collective and a wait
+            # each step): rank 0's own running statistics follow the same course without it,
+            # and every rank is given them before each validation and checkpoint
+            # (sync_buffers), so what is scored and saved is unchanged.
+            "broadcast_buffers": False,
         }
 
     def no_sync(self) -> AbstractContextManager:

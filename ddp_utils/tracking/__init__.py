@@ -10,10 +10,15 @@ from typing import Any
 from ddp_utils.dist import Runtime
 from ddp_utils.targets import build_instance
 from ddp_utils.tracking.base import TrackedRun, Tracker, Trackers, tracked_values
-from ddp_utils.tracking.env import environment, environment_text, peak_memory_mb
+from ddp_utils.tracking.env import (
+    environment,
+    environment_text,
+    peak_memory_mb,
+    reset_peak_memory,
+)
 
 __all__ = ["TrackedRun", "Tracker", "Trackers", "build_trackers", "environment",
-           "environment_text", "peak_memory_mb", "tracked_values"]  # fmt: skip
+           "environment_text", "peak_memory_mb", "reset_peak_memory", "tracked_values"]  # fmt: skip
 
 
 def build_trackers(names: Sequence[str], options: Any, rt: Runtime) -> Trackers:

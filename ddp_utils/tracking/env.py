@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import platform
 import resource
@@ -18,10 +19,23 @@ from ddp_utils.dist import Runtime
 
 
 def peak_memory_mb(device: torch.device) -> float:
-    """Peak memory of this process: allocated on the GPU, resident on the CPU."""
+    """Peak memory of this process since ``reset_peak_memory``: allocated on the GPU,
+    resident on the CPU (Linux's VmHWM; the process's whole life where that is missing)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024  # kB
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start ``peak_memory_mb`` anew (each job of an in-process sweep reports its own)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # Linux: the resident high-water mark (VmHWM) back to the current size
 
 
 def git_commit() -> str | None:

@@ -251,7 +251,7 @@ def validate_and_save(
     if not math.isfinite(train_stats["train/loss"]):  # all-reduced: the same on every rank
         raise diverged(tr, "the training loss")
     # Validate exactly what the checkpoint below holds: rank 0's running statistics. (Training
-    # is unchanged: DDP hands every rank rank 0's buffers at the next forward anyway.)
+    # is unchanged: rank 0's statistics follow their own course whatever the others hold.)
     scored = tr.strategy.eval_model
     tr.strategy.sync_buffers([scored] + ([tr.ema.module] if tr.ema is not None else []))
     record = {

@@ -26,7 +26,7 @@ from ddp_utils.preemption import StopRequest
 from ddp_utils.progress import Progress
 from ddp_utils.strategy import Strategy, build_strategy, strategy_class
 from ddp_utils.tasks import Task, build_task, check_task
-from ddp_utils.tracking import Trackers, build_trackers
+from ddp_utils.tracking import Trackers, build_trackers, reset_peak_memory
 from ddp_utils.train.precision import amp_context, resolve_precision, set_numerics
 from ddp_utils.train.rng import seed_everything
 from ddp_utils.watchdog import StepWatchdog
@@ -155,6 +155,7 @@ def build_training(cfg: TrainConfig, rt: Runtime, run_dir: Path, callbacks: Any)
     creates a process group, so all ranks must call this). ``cfg`` has a resolved precision."""
     t = cfg.trainer
     set_numerics(t, rt.device)
+    reset_peak_memory(rt.device)
     # The same seed on every rank for the weights (DDP also broadcasts rank 0's), then a
     # per-rank seed so augmentation and dropout differ between ranks.
     seed_everything(cfg.seed)
