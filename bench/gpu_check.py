@@ -50,8 +50,9 @@ def checks(nproc: int) -> list[tuple[str, list[str], float]]:
     found = [("GPU tests", [py, "-m", "pytest", "-q", "tests/test_gpu.py",
                             "tests/test_hardware_units.py"], 240.0)]  # fmt: skip
     for family, overrides in FAMILIES.items():
-        found.append((f"{family}, {nproc} NCCL process(es)",
-                      [*tr, *overrides, *SHORT, f"run_dir=outputs/gpu_check/{family}"], 120.0))  # fmt: skip
+        run_dir = f"run_dir=outputs/gpu_check/{family.replace(' ', '_')}"
+        found.append((f"{family}, {nproc} NCCL process(es)", [*tr, *overrides, *SHORT, run_dir],
+                      120.0))  # fmt: skip
     found.append(("make bench-gpu", [py, "bench/bench.py", "--device", "cuda"], 300.0))
     return found
 
@@ -75,7 +76,8 @@ def main() -> int:
               flush=True)  # fmt: skip
     out = ROOT / "bench" / "results" / "gpu_check.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"gpu": cuda.name, "gpus": cuda.device_count, "rows": rows}, indent=2))
+    report = {"gpu": cuda.name, "gpus": cuda.device_count, "rows": rows}
+    out.write_text(json.dumps(report, indent=2))
     print("\n| check | result | s | last line |\n| --- | --- | --- | --- |")
     for r in rows:
         print(f"| {r['check']} | {'ok' if r['ok'] else 'FAIL'} | {r['seconds']:.0f} | "

@@ -37,7 +37,8 @@ def test_defaults_train_on_the_gpu(tmp_path):
 def test_fp16_with_its_gradient_scaler_under_ddp_and_fsdp2(tmp_path):
     for strategy in ("ddp", "fsdp2"):
         run_script("train.py", *SHORT, "trainer.precision=fp16", "trainer.grad_clip=1.0",
-                   f"trainer.strategy={strategy}", f"run_dir={tmp_path}/{strategy}", nproc=1)  # fmt: skip
+                   f"trainer.strategy={strategy}", f"run_dir={tmp_path}/{strategy}",
+                   nproc=1)  # fmt: skip
         ckpt = tmp_path / strategy / "checkpoints"
         saved = whole_checkpoint(ckpt / "last.pt" if strategy == "ddp" else ckpt / "last.dcp")
         assert saved["scaler"]["scale"] > 0
