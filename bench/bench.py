@@ -22,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from devices import bench_device  # bench/, beside this file
+
 ROOT = Path(__file__).resolve().parents[1]
 MNIST = ROOT.parent / "shared" / "data" / "mnist10k"
 IMPORTS = "import torch, torchvision, hydra"
@@ -91,7 +93,7 @@ def table(rows: list[dict]) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=bench_device())
     p.add_argument("--world-sizes", type=int, nargs="*", default=None)
     p.add_argument("--out", default=None, help="JSON path (default bench/results/<device>.json)")
     args = p.parse_args()

@@ -27,6 +27,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from devices import bench_device  # noqa: E402 - bench/, beside this file
+
 from ddp_utils.config import ImageFolderData  # noqa: E402
 from ddp_utils.data import build_data  # noqa: E402
 from ddp_utils.dist import Runtime  # noqa: E402
@@ -137,7 +139,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--image-size", type=int, default=224)
     parser.add_argument("--epochs", type=int, default=1)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default=bench_device(), help="both sides' (DEVICE)")
     parser.add_argument("--root", type=Path, default=ROOT / "bench" / "results" / "photos")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "data.json")
     args = parser.parse_args()

@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_data import MEAN, STD, make_folder, rate  # noqa: E402
+from devices import bench_device  # noqa: E402
 
 from ddp_utils.config import SegFolderData  # noqa: E402
 from ddp_utils.data import build_data  # noqa: E402
@@ -124,7 +125,7 @@ def main() -> None:
     parser.add_argument("--base-size", type=int, default=520)
     parser.add_argument("--crop-size", type=int, default=480)
     parser.add_argument("--epochs", type=int, default=1)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default=bench_device(), help="both sides' (DEVICE)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "seg.json")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")

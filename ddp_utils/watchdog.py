@@ -17,6 +17,7 @@ import time
 from ddp_utils.dist import write_error_file
 
 STALLED_EXIT = 1
+OTHERS_PAUSE_S = 2.0
 # What each phase waits for, for the message: (the event that did not come, where it is stuck).
 PHASES = {
     "train": ("training step", "its training loader, the model or a collective"),
@@ -49,6 +50,13 @@ class StepWatchdog:
         while not self._closed.wait(self.poll_s):
             last = self._last
             if last is not None and time.monotonic() - last[0] > self.timeout_s:
+                if self.rank != 0:
+                    # A stuck collective stalls every rank at once: the main rank's line is the
+                    # job's one message (torchrun ends the others when it exits); another
+                    # rank's comes only if this one is still running, and stuck, after a pause.
+                    time.sleep(OTHERS_PAUSE_S)
+                    if self._last is not last:
+                        continue
                 event, where = PHASES[last[1]]
                 line = (
                     f"[rank {self.rank}] error: no {event} for {self.timeout_s:.0f} s "

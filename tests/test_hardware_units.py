@@ -263,3 +263,30 @@ def test_doctor_reports_gpus_torch_cannot_use(capsys):
     with mock.patch.object(doctor, "probe_cuda", return_value=Cuda()):
         doctor.check_local(report)
     assert not report.problems and "trains on cpu" in capsys.readouterr().out
+
+
+WATCHED = """
+import sys, time
+from ddp_utils import watchdog
+watchdog.OTHERS_PAUSE_S = 1.0
+dog = watchdog.StepWatchdog(0.5, rank=int(sys.argv[1]), poll_s=0.05)
+dog.beat()
+time.sleep(0.8)  # past the timeout: rank 0 exits now; rank 1 pauses first
+dog.beat()  # rank 1: progress again within its pause, so no exit
+time.sleep(float(sys.argv[2]))
+print("still running", flush=True)
+"""
+
+
+@pytest.mark.parametrize(("rank", "then", "exits"), [(0, 0.0, True), (1, 0.0, False),
+                                                     (1, 3.0, True)])  # fmt: skip
+def test_the_main_ranks_watchdog_speaks_first_and_a_pause_lets_others_recover(rank, then, exits):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", WATCHED, str(rank), str(then)],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert (proc.returncode != 0) == exits, proc.stderr
+    assert ("still running" in proc.stdout) != exits
+    if exits:
+        assert f"[rank {rank}] error: no training step for 0 s" in proc.stderr
