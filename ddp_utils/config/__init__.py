@@ -21,6 +21,7 @@ from ddp_utils.config.data import (
     PyStdlibData,
     SegFolderData,
     SegmentationData,
+    ShardsData,
     StreamedData,
     SyntheticData,
     TokenData,
@@ -82,6 +83,7 @@ from ddp_utils.config.task import (
 __all__ = [
     "CanvasData", "ConfigError", "ConvNetModel", "CustomData", "CustomModel", "CustomTask",
     "DataConfig", "DigitsData", "DigitsSegData", "EvalConfig", "GenerateConfig", "ImageFolderData",
+    "ShardsData",
     "MLPModel",
     "MnistSegData", "ModelConfig", "OptimConfig", "SchedConfig", "SegConvNetModel",
     "SegFolderData", "SegZooModel", "SegmentationData", "SegmentationTask", "StreamedData",

@@ -33,6 +33,12 @@ def build(cfg: DataConfig, rt: Runtime, seed: int, channels_last: bool | str) ->
     return image_bundle(cfg, rt, (train, val, sampler, None), cfg.augment, channels_last)
 
 
+def samples(cfg: DataConfig, rt: Runtime, split: str) -> ImageTensorDataset:
+    """``(uint8 CHW image, label)`` of a split (``python -m ddp_utils.shards write`` reads it)."""
+    with local_main_first(rt):
+        return load_split(cfg, split)
+
+
 def build_eval(cfg: DataConfig, rt: Runtime, seed: int, channels_last: bool | str) -> EvalData:
     with local_main_first(rt):
         ds = load_split(cfg, cfg.split)

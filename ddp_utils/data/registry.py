@@ -6,7 +6,9 @@ defines
 - ``build_eval(cfg, rt, seed, channels_last) -> EvalData``: the loader of ``data.split``;
 and where the data knows more than its config says,
 - ``resolve(cfg, rt) -> cfg``: keys only the data can fill in (token data's vocab_size);
-- ``offered(cfg) -> dict``: what tasks are offered besides ``cfg.sizes()``.
+- ``offered(cfg) -> dict``: what tasks are offered besides ``cfg.sizes()``;
+- ``samples(cfg, rt, split) -> Dataset``: its ``(uint8 CHW image, label)`` items, for
+  ``python -m ddp_utils.shards write``.
 ``ddp_utils.data`` calls these and nothing else, so a new family needs no edit there.
 """
 

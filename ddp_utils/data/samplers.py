@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch.utils.data import Sampler
@@ -74,6 +74,9 @@ class ResumableDistributedSampler(Sampler[int]):
     the shards equal is yielded as ``pad_marker(i)``: the sample is computed but its label is
     ignored, so every sample counts exactly once per epoch, whatever the world size.
 
+    ``order(seed, epoch)`` replaces ``randperm`` with the data's own permutation (sharded data
+    shuffles within windows of shards).
+
     ``drop_last_of=B`` (``data.drop_last``, the default for training) instead ends the epoch
     at the last whole batch of ``B`` on every rank: the positions past a multiple of
     ``B x world size`` are skipped (up to ``B x world size - 1`` random samples an epoch, as
@@ -89,10 +92,12 @@ class ResumableDistributedSampler(Sampler[int]):
         seed: int = 0,
         shuffle: bool = True,
         drop_last_of: int | None = None,
+        order: Callable[[int, int], list[int]] | None = None,
     ) -> None:
         assert 0 <= rank < world_size, f"rank {rank} outside world size {world_size}"
         self.length, self.world_size, self.rank = length, world_size, rank
         self.seed, self.shuffle, self.drop_last_of = seed, shuffle, drop_last_of
+        self.order = order
         self.epoch, self.start = 0, 0
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
@@ -102,6 +107,8 @@ class ResumableDistributedSampler(Sampler[int]):
     def epoch_order(self) -> list[int]:
         if not self.shuffle:
             return list(range(self.length))
+        if self.order is not None:  # the data's own permutation (sharded data: by window)
+            return self.order(self.seed, self.epoch)
         g = torch.Generator().manual_seed(self.seed + self.epoch)
         return torch.randperm(self.length, generator=g).tolist()
 
@@ -138,11 +145,17 @@ class ResumableDistributedSampler(Sampler[int]):
 
 
 def training_sampler(
-    length: int, cfg: DataConfig, rt: Runtime, seed: int
+    length: int,
+    cfg: DataConfig,
+    rt: Runtime,
+    seed: int,
+    order: Callable[[int, int], list[int]] | None = None,
 ) -> ResumableDistributedSampler:
-    """The training sampler of ``length`` samples for ``data=...`` on this rank."""
+    """The training sampler of ``length`` samples for ``data=...`` on this rank; ``order(seed,
+    epoch)``: the data's own epoch permutation (else ``randperm``)."""
     drop = cfg.batch_size if cfg.drop_last else None
-    return ResumableDistributedSampler(length, rt.world_size, rt.rank, seed=seed, drop_last_of=drop)
+    return ResumableDistributedSampler(length, rt.world_size, rt.rank, seed=seed,
+                                       drop_last_of=drop, order=order)  # fmt: skip
 
 
 class EpochTagged(Sampler[tuple[int, int]]):

@@ -51,6 +51,11 @@ def build(cfg: DataConfig, rt: Runtime, seed: int, channels_last: bool | str) ->
     return image_bundle(cfg, rt, loaders, False, channels_last)
 
 
+def samples(cfg: DataConfig, rt: Runtime, split: str) -> Dataset:
+    """``(uint8 CHW image, label)`` of a split (``python -m ddp_utils.shards write`` reads it)."""
+    return streamed_sources(cfg, rt, (split,))[split]
+
+
 def build_eval(cfg: DataConfig, rt: Runtime, seed: int, channels_last: bool | str) -> EvalData:
     """The loader of ``data.split``, sharded exactly."""
     source = streamed_sources(cfg, rt, (cfg.split,))[cfg.split]

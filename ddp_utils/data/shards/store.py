@@ -1,0 +1,186 @@
+"""Shards on a store: a local folder or any fsspec URL, read through a per-node cache.
+
+``Store`` lists a split's ``*.tar`` and reads byte ranges; remote reads are retried with
+backoff, and a store still not answering after ``data.retries`` attempts raises
+``StoreUnavailable`` (exit code 75: relaunch once the store is back; the run resumes exactly).
+``NodeCache`` keeps whole shards on the node's disk: each shard is downloaded once per node
+(a lock file lets one process download it while the node's others wait for it), written under
+a temporary name and renamed when complete (a killed download leaves nothing that is read),
+and the least recently used shards are removed past ``data.cache_bytes``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import fsspec
+
+from ddp_utils.config import ConfigError
+
+T = TypeVar("T")
+RETRY_EXIT = 75  # EX_TEMPFAIL: the store was unreachable; the same command resumes
+CHUNK = 8 << 20
+# fsspec's S3 options that end a request to a store that stopped answering, so that the
+# retries (not a socket's default minutes) bound the wait
+S3_DEFAULTS = {"config_kwargs": {"connect_timeout": 5, "read_timeout": 20,
+                                 "retries": {"max_attempts": 2}}}  # fmt: skip
+
+
+class StoreUnavailable(ConfigError):
+    """The store did not answer within the retries; raised where it happened (a DataLoader
+    worker re-raises it in its rank with the message alone)."""
+
+    exit_code = RETRY_EXIT
+
+    def __init__(self, message: str) -> None:
+        marker = f"{type(self).__name__}: "
+        if marker in message:  # a DataLoader worker's traceback text around it
+            message = message.rsplit(marker, 1)[1].strip()
+        super().__init__(message, rank_specific=True)
+
+
+def retrying(what: str, attempt: Callable[[], T], retries: int) -> T:
+    """``attempt()``, again after 1, 2, 4, ... s (at most 30) while the store fails."""
+    for n in range(retries):
+        try:
+            return attempt()
+        except (FileNotFoundError, PermissionError, ConfigError):
+            raise
+        except Exception as e:  # noqa: BLE001 - any transport error of any fsspec backend
+            if n + 1 == retries:
+                raise StoreUnavailable(
+                    f"the data store did not answer {what} after {retries} attempts ({e}). "
+                    "Once it is back, relaunch the same command: the run resumes from its "
+                    "last checkpoint."
+                ) from None
+            time.sleep(min(30.0, 2.0**n))
+    raise AssertionError("unreachable")
+
+
+class Store:
+    """``data.root`` as an fsspec file system and a base path."""
+
+    def __init__(self, root: str, storage_options: dict[str, Any], retries: int) -> None:
+        self.root, self.retries = root.rstrip("/"), retries
+        protocol = fsspec.utils.get_protocol(root)
+        options = {**(S3_DEFAULTS if protocol in ("s3", "s3a") else {}), **storage_options}
+        try:
+            self.fs, self.base = fsspec.core.url_to_fs(self.root, **options)
+        except (ImportError, ValueError) as e:
+            raise ConfigError(f"data.root={root}: {e} (S3 needs s3fs: pip install s3fs; GCS "
+                              "gcsfs).") from None  # fmt: skip
+        self.local = protocol in ("file", "local")
+
+    def url(self, name: str) -> str:
+        return f"{self.root}/{name}"
+
+    def listing(self, split: str) -> list[tuple[str, int]]:
+        """``(name relative to data.root, bytes)`` of each ``*.tar`` of a split, by name."""
+        pattern = f"{self.base.rstrip('/')}/{split}/*.tar"
+        try:
+            found = retrying(f"listing {self.url(split)}",
+                             lambda: self.fs.glob(pattern, detail=True), self.retries)  # fmt: skip
+        except (PermissionError, OSError) as e:
+            raise ConfigError(self.access_error(split, e)) from None
+        names = sorted(found)
+        if not names and not retrying(f"reading {self.root}", lambda: self.fs.exists(self.base),
+                                      self.retries):  # fmt: skip
+            raise ConfigError(
+                f"data.root={self.root} does not exist (no such folder, bucket or prefix): "
+                "check its spelling, or write the shards there first."
+            )
+        if not names:
+            raise ConfigError(f"{self.url(split)}/ holds no *.tar shards: write them with "
+                              f"python -m ddp_utils.shards write --out {self.root} ..., or set "
+                              f"data.root (data.train_dir / data.val_dir).")  # fmt: skip
+        start = len(self.base.rstrip("/")) + 1
+        return [(n[start:], int(found[n]["size"])) for n in names]
+
+    def access_error(self, split: str, e: Exception) -> str:
+        return (f"cannot list {self.url(split)} ({type(e).__name__}: {e}). Check data.root, the "
+                "bucket's name, and the credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, "
+                "AWS_ENDPOINT_URL, or data.storage_options).")  # fmt: skip
+
+    def read(self, name: str, start: int, size: int) -> bytes:
+        """Bytes ``[start, start + size)`` of a file, by a range request."""
+        path = f"{self.base.rstrip('/')}/{name}"
+        return retrying(f"reading {self.url(name)}",
+                        lambda: self.fs.cat_file(path, start=start, end=start + size),
+                        self.retries)  # fmt: skip
+
+    def download(self, name: str, dest: Path, size: int) -> None:
+        """The whole file into ``dest`` (complete, or an error)."""
+        path = f"{self.base.rstrip('/')}/{name}"
+
+        def attempt() -> None:
+            with self.fs.open(path, "rb", block_size=CHUNK) as src, open(dest, "wb") as out:
+                while chunk := src.read(CHUNK):
+                    out.write(chunk)
+            if dest.stat().st_size != size:
+                raise OSError(f"{dest.stat().st_size} of {size} bytes arrived")
+
+        retrying(f"downloading {self.url(name)}", attempt, self.retries)
+
+    def local_path(self, name: str) -> Path:
+        return Path(self.base) / name
+
+
+def default_cache_dir() -> Path:
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "ddp-recipes" / "shards"
+
+
+class NodeCache:
+    """Whole shards on this node's disk, shared by its ranks and their loader workers."""
+
+    def __init__(self, folder: Path, limit: int) -> None:
+        self.folder, self.limit = folder, limit
+        (folder / ".locks").mkdir(parents=True, exist_ok=True)
+
+    def file(self, store: Store, name: str, size: int) -> Path:
+        digest = hashlib.sha1(json.dumps([store.root, name, size]).encode()).hexdigest()[:16]
+        return self.folder / f"{digest}-{Path(name).name}"
+
+    def get(self, store: Store, name: str, size: int) -> Path:
+        """The shard's local copy, downloaded by one process of the node if it is missing."""
+        path = self.file(store, name, size)
+        if path.exists():
+            with contextlib.suppress(OSError):
+                os.utime(path)  # recently used
+            return path
+        lock = self.folder / ".locks" / f"{path.name}.lock"
+        with open(lock, "w") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)  # the node's other processes wait here
+            if not path.exists():
+                tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+                try:
+                    store.download(name, tmp, size)
+                    os.replace(tmp, path)
+                finally:
+                    tmp.unlink(missing_ok=True)
+                self.evict(keep=path)
+        return path
+
+    def evict(self, keep: Path) -> None:
+        """Remove the least recently used shards until the cache fits ``limit``."""
+        files = [p for p in self.folder.iterdir() if p.is_file() and not p.name.startswith(".")]
+        stats = []
+        for p in files:
+            with contextlib.suppress(FileNotFoundError):
+                st = p.stat()
+                stats.append((st.st_mtime, st.st_size, p))
+        total = sum(size for _, size, _ in stats)
+        for _, size, p in sorted(stats):
+            if total <= self.limit:
+                break
+            if p != keep:
+                p.unlink(missing_ok=True)  # a reader's open file stays readable
+                total -= size
