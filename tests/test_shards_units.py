@@ -1,0 +1,190 @@
+"""data=shards in one process: the window-shuffled order, the tar index and its refusals, the
+node cache (one download, atomic, least recently used out) on fsspec's in-memory store, and
+a store that never answers."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from seaweed import free_ports
+
+from ddp_utils.config import ConfigError
+from ddp_utils.data.samplers import ResumableDistributedSampler
+from ddp_utils.data.shards import window_order
+from ddp_utils.data.shards.store import NodeCache, Store, StoreUnavailable
+from ddp_utils.data.shards.tarindex import index_shard, split_name
+
+COUNTS = torch.tensor([7, 3, 10, 1, 9, 6, 4])  # uneven shards, as real ones are
+STARTS = torch.cumsum(COUNTS, 0) - COUNTS
+
+
+def shard_of(i: int) -> int:
+    return int(torch.searchsorted(STARTS, i, right=True)) - 1
+
+
+@pytest.mark.parametrize("window", [1, 2, 3, 7, 50])
+def test_the_order_is_a_permutation_read_a_window_of_shards_at_a_time(window):
+    order = window_order(COUNTS, seed=3, epoch=1, window=window)
+    assert sorted(order) == list(range(int(COUNTS.sum())))
+    assert order == window_order(COUNTS, seed=3, epoch=1, window=window)  # (seed, epoch) alone
+    assert order != window_order(COUNTS, seed=3, epoch=2, window=window)
+    # Consecutive samples come from at most `window` shards at a time: each window's shards
+    # are read together, and never again later in the epoch.
+    windows, seen = [], set()
+    for i in order:
+        s = shard_of(i)
+        if not windows or (s not in windows[-1] and len(windows[-1]) == min(window, 7)):
+            windows.append(set())
+        assert s not in seen or s in windows[-1]
+        windows[-1].add(s)
+        seen.add(s)
+    assert all(len(w) <= window for w in windows)
+
+
+@pytest.mark.parametrize(("before", "after"), [(2, 3), (3, 1), (1, 2)])
+def test_a_resume_at_another_world_size_takes_each_remaining_sample_once(before, after):
+    n = int(COUNTS.sum())
+    order = lambda seed, epoch: window_order(COUNTS, seed, epoch, 2)  # noqa: E731
+    samplers = [ResumableDistributedSampler(n, before, r, seed=5, order=order)
+                for r in range(before)]  # fmt: skip
+    for s in samplers:
+        s.set_epoch(1)
+    done = [i for s in samplers for i in list(s)[:4]]  # every rank took 4 samples
+    start = samplers[0].consumed(4, 1)
+    rest = []
+    for r in range(after):
+        s = ResumableDistributedSampler(n, after, r, seed=5, order=order)
+        s.set_epoch(1, start)
+        rest += [i for i in s if i >= 0]  # padding duplicates are marked (negative)
+    assert start == 4 * before
+    assert Counter(done + rest) == Counter(range(n))
+
+
+def tar_bytes(members: list[tuple[str, bytes]]) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+def test_the_index_gives_each_samples_byte_range_and_label():
+    data = tar_bytes([("a/0001.png", b"PNG1"), ("a/0001.cls", b"3\n"), ("a/0002.seg.png", b"x"),
+                      ("a/0002.jpg", b"JPEG22"), ("a/0002.cls", b"0")])  # fmt: skip
+    index = index_shard(io.BytesIO(data), "s.tar", num_classes=5)
+    assert index["label"].tolist() == [3, 0] and index["size"].tolist() == [4, 6]
+    first, second = (int(o) for o in index["offset"])
+    assert data[first : first + 4] == b"PNG1" and data[second : second + 6] == b"JPEG22"
+    assert split_name("a/b/0002.seg.png") == ("a/b/0002", "seg.png")
+
+
+@pytest.mark.parametrize(
+    ("members", "says"),
+    [
+        ([("k.png", b"x")], "has no a .cls label"),
+        ([("k.cls", b"1")], "has no an image"),
+        ([("k.png", b"x"), ("k.cls", b"cat")], "not a class index"),
+        ([("k.png", b"x"), ("k.cls", b"12")], "outside data.num_classes=10"),
+    ],
+)
+def test_a_sample_the_index_cannot_use_is_named(members, says):
+    with pytest.raises(ConfigError, match=says) as e:
+        index_shard(io.BytesIO(tar_bytes(members)), "s3://b/train/shard-7.tar", num_classes=10)
+    assert "shard-7.tar" in str(e.value)
+
+
+def test_a_truncated_shard_is_named():
+    data = tar_bytes([(f"{i:04d}.png", b"x" * 3000) for i in range(3)])
+    with pytest.raises(ConfigError, match="shard-3.tar is not a readable tar file"):
+        index_shard(io.BytesIO(data[:2500]), "shard-3.tar", num_classes=10)
+
+
+@pytest.fixture
+def memory_store():
+    """fsspec's in-memory file system: a store that is not a local folder."""
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    root = f"memory://shards-{time.monotonic_ns()}"
+    for i in range(4):
+        fs.pipe_file(f"{root}/train/shard-{i}.tar", bytes([i]) * 1000)
+    yield Store(root, {}, retries=2)
+    fs.rm(root, recursive=True)
+
+
+def test_each_shard_is_downloaded_once_and_the_least_recently_used_go_first(memory_store, tmp_path):
+    cache = NodeCache(tmp_path, limit=2500)
+    calls = Counter()
+    download = memory_store.download
+
+    def counted(name, dest, size):
+        calls[name] += 1
+        time.sleep(0.05)  # long enough for the other threads to wait on the lock
+        download(name, dest, size)
+
+    memory_store.download = counted
+    threads = [threading.Thread(target=cache.get, args=(memory_store, "train/shard-0.tar", 1000))
+               for _ in range(6)]  # fmt: skip
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert calls == {"train/shard-0.tar": 1}
+    first = cache.get(memory_store, "train/shard-0.tar", 1000)
+    assert first.read_bytes() == bytes([0]) * 1000
+    time.sleep(0.01)
+    cache.get(memory_store, "train/shard-1.tar", 1000)
+    time.sleep(0.01)
+    cache.get(memory_store, "train/shard-0.tar", 1000)  # used again: now the newest
+    time.sleep(0.01)
+    cache.get(memory_store, "train/shard-2.tar", 1000)  # 3000 > 2500: shard 1 goes
+    kept = sorted(p.name.split("-", 1)[1] for p in tmp_path.iterdir() if p.is_file())
+    assert kept == ["shard-0.tar", "shard-2.tar"]
+
+
+def test_a_killed_download_leaves_nothing_that_is_read(memory_store, tmp_path):
+    cache = NodeCache(tmp_path, limit=10**6)
+
+    def dies(name, dest, size):
+        dest.write_bytes(b"half")
+        raise KeyboardInterrupt  # the process is stopped mid-download
+
+    real, memory_store.download = memory_store.download, dies
+    with pytest.raises(KeyboardInterrupt):
+        cache.get(memory_store, "train/shard-3.tar", 1000)
+    assert [p for p in tmp_path.iterdir() if p.is_file()] == []
+    memory_store.download = real
+    assert cache.get(memory_store, "train/shard-3.tar", 1000).read_bytes() == bytes([3]) * 1000
+
+
+def test_a_store_that_never_answers_is_given_up_after_the_retries():
+    port = free_ports(1)[0]  # nothing listens there
+    store = Store("s3://bucket/data", {"endpoint_url": f"http://127.0.0.1:{port}", "key": "k",
+                                       "secret": "s"}, retries=2)  # fmt: skip
+    start = time.monotonic()
+    with pytest.raises(StoreUnavailable, match="after 2 attempts") as e:
+        store.read("train/shard-0.tar", 0, 10)
+    assert time.monotonic() - start < 60
+    assert e.value.exit_code == 75 and "relaunch the same command" in str(e.value)
+
+
+def test_a_local_folder_is_read_in_place(tmp_path):
+    (tmp_path / "train").mkdir()
+    (tmp_path / "train" / "b.tar").write_bytes(b"1" * 10)
+    (tmp_path / "train" / "a.tar").write_bytes(b"1" * 20)
+    store = Store(str(tmp_path), {}, retries=1)
+    assert store.local and store.listing("train") == [("train/a.tar", 20), ("train/b.tar", 10)]
+    assert store.local_path("train/a.tar") == Path(tmp_path) / "train" / "a.tar"
+    with pytest.raises(ConfigError, match="holds no \\*.tar shards"):
+        store.listing("val")
+    with pytest.raises(ConfigError, match="does not exist"):
+        Store(str(tmp_path / "nowhere"), {}, retries=1).listing("train")
