@@ -71,13 +71,28 @@ class Store:
     def __init__(self, root: str, storage_options: dict[str, Any], retries: int) -> None:
         self.root, self.retries = root.rstrip("/"), retries
         protocol = fsspec.utils.get_protocol(root)
-        options = {**(S3_DEFAULTS if protocol in ("s3", "s3a") else {}), **storage_options}
+        self.options = {**(S3_DEFAULTS if protocol in ("s3", "s3a") else {}), **storage_options}
+        self._fs: Any = None
+        self._pid = -1
         try:
-            self.fs, self.base = fsspec.core.url_to_fs(self.root, **options)
+            self.base = fsspec.core.url_to_fs(self.root, **self.options)[1]
         except (ImportError, ValueError) as e:
             raise ConfigError(f"data.root={root}: {e} (S3 needs s3fs: pip install s3fs; GCS "
                               "gcsfs).") from None  # fmt: skip
         self.local = protocol in ("file", "local")
+
+    @property
+    def fs(self) -> Any:
+        """The file system of this process: an object store's client is not fork-safe, so a
+        DataLoader worker (a fork) makes its own."""
+        if self._pid != os.getpid():
+            self._fs = fsspec.core.url_to_fs(self.root, skip_instance_cache=True,
+                                             **self.options)[0]  # fmt: skip
+            self._pid = os.getpid()
+        return self._fs
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_fs": None, "_pid": -1}
 
     def url(self, name: str) -> str:
         return f"{self.root}/{name}"
