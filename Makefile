@@ -13,7 +13,7 @@ DEVICE ?= cpu
 export DEVICE
 
 .DEFAULT_GOAL := help
-.PHONY: help install train test test-fast docs lint format clean bench bench-gpu gpu-check bench-data bench-seg bench-det bench-memory bench-comm bench-peer bench-profile bench-lm bench-nanogpt recipes
+.PHONY: help install train test test-fast docs lint format clean bench bench-gpu gpu-check bench-shards bench-data bench-seg bench-det bench-memory bench-comm bench-peer bench-profile bench-lm bench-nanogpt recipes
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -54,6 +54,9 @@ bench-data: $(STAMP)  ## input pipeline: image folder of JPEGs, train.py vs the 
 bench-seg: $(STAMP)  ## segmentation input pipeline: data=segfolder vs the segmentation references' (a few minutes)
 	$(BIN)/python -c "import skimage" 2>/dev/null || $(BIN)/python -m pip install -q -e '.[bench]'
 	$(BIN)/python bench/bench_seg.py $(ARGS)
+
+bench-shards: $(STAMP)  ## sharded data: input-pipeline images/s of an image folder vs local and S3 tar shards, PNG and decoded (~5 min)
+	$(BIN)/python bench/bench_shards.py $(ARGS)
 
 bench-peer: $(STAMP)  ## whole runs: train.py vs torchvision's references/classification/train.py (REFERENCES=DIR, a checkout), 3 pairs (~8 min)
 	@test -n "$(REFERENCES)" || { echo "make bench-peer REFERENCES=DIR: DIR is a checkout of github.com/pytorch/vision"; exit 2; }
