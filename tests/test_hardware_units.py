@@ -221,7 +221,8 @@ def _scale_after_an_overflow_on_rank_one(rank: int, world: int, strategy: str) -
     # Each rank's own gradient shard: only rank 1's overflowed.
     p = nn.Parameter(torch.ones(4))
     p.grad = torch.full((4,), float("inf") if rank == 1 else 1.0)
-    opt = torch.optim.SGD([p], lr=0.1)
+    # fused: the step takes the scaler's overflow flag (its shape must be a scalar's)
+    opt = torch.optim.AdamW([p], lr=0.1, fused=True)
     scaler.scale(torch.ones(()))  # the scale is made at the first loss scaled
     before = scaler.get_scale()
     scaler.step(opt)
@@ -239,30 +240,28 @@ def test_fsdp2s_scaler_skips_a_step_on_every_rank_when_one_rank_overflowed(tmp_p
     assert in_gloo_group(_scale_after_an_overflow_on_rank_one, 2, tmp_path / "ddp", "ddp") == 1.0
 
 
+PEAK = """
+import torch
+from ddp_utils.tracking import peak_memory_mb, reset_peak_memory
+cpu = torch.device("cpu")
+block = torch.ones(256 * 2**20 // 4)  # 256 MiB, touched
+block.add_(1)
+high = peak_memory_mb(cpu)
+del block
+reset_peak_memory(cpu)
+print(high, peak_memory_mb(cpu))
+"""
+
+
 def test_each_sweep_job_reports_its_own_peak_memory():
-    from ddp_utils.tracking import peak_memory_mb, reset_peak_memory
+    import subprocess
+    import sys
 
-    cpu = torch.device("cpu")
-    block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
-    block.add_(1)
-    high = peak_memory_mb(cpu)
-    del block
-    reset_peak_memory(cpu)
-    assert peak_memory_mb(cpu) < high - 32
-
-
-def test_doctor_reports_gpus_torch_cannot_use(capsys):
-    from ddp_utils import doctor
-
-    report = doctor.Report()
-    with mock.patch.object(doctor, "probe_cuda", return_value=OLD_DRIVER):
-        doctor.check_local(report)
-    out = capsys.readouterr().out
-    assert report.problems and "FAIL" in out and "CUDA 12.4" in out and "docs/install.md" in out
-    report = doctor.Report()
-    with mock.patch.object(doctor, "probe_cuda", return_value=Cuda()):
-        doctor.check_local(report)
-    assert not report.problems and "trains on cpu" in capsys.readouterr().out
+    # A process of its own: the test process's allocator may keep a freed block's pages.
+    out = subprocess.run([sys.executable, "-c", PEAK], capture_output=True, text=True,
+                         check=True, timeout=60).stdout  # fmt: skip
+    high, after = (float(x) for x in out.split())
+    assert after < high - 128
 
 
 WATCHED = """

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -97,6 +98,30 @@ def fixed_mmap_threshold(nbytes: int = 1 << 20) -> None:
     except OSError:  # not glibc: nothing to set
         return
     libc.mallopt(-3, nbytes)  # M_MMAP_THRESHOLD: fixed, which also stops its adjustment
+
+
+class ShardedScaler(ShardedGradScaler):
+    """torch's sharded gradient scaler, made whole for a fused optimizer (AdamW with
+    fused=True), which unscales inside its own kernel: the scaler then only checks the shards
+    for overflows (``_check_inf_per_device``), which torch's sharded scaler does not reduce
+    over the ranks, and its flags must be scalars, as the optimizer's step counts are."""
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        super().unscale_(optimizer)  # reduced over the ranks there
+        self._as_scalars(optimizer)
+
+    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        for found in super()._check_inf_per_device(optimizer).values():
+            on_device = found.to(self._device) if found.device.type != self._device else found
+            dist.all_reduce(on_device, group=self.process_group)
+            found.copy_(on_device)
+        return self._as_scalars(optimizer)
+
+    def _as_scalars(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        state = self._per_optimizer_states[id(optimizer)]
+        found = state.get("found_inf_per_device", {})
+        state["found_inf_per_device"] = {d: f.reshape(()) for d, f in found.items()}
+        return state["found_inf_per_device"]
 
 
 def buffers_to(module: nn.Module, device: torch.device) -> None:
@@ -204,7 +229,7 @@ class FSDP2Strategy(Strategy):
         # Its overflow flag has shape (1,), which DTensor's dispatch warns about at every
         # unscale (and then handles as a replicated value, which it is).
         warnings.filterwarnings("ignore", "Found a non-scalar tensor with numel=1", UserWarning)
-        return ShardedGradScaler(self.rt.device.type, enabled=enabled)
+        return ShardedScaler(self.rt.device.type, enabled=enabled)
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
