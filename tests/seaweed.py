@@ -53,6 +53,7 @@ class Seaweed:
                 "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_DEFAULT_REGION": "us-east-1"}  # fmt: skip
 
     def start(self) -> Seaweed:
+        self.folder.mkdir(parents=True, exist_ok=True)
         config = self.folder / "s3.json"
         config.write_text(json.dumps({"identities": [{
             "name": "tests", "credentials": [{"accessKey": KEY, "secretKey": SECRET}],

@@ -34,6 +34,9 @@ S3_DEFAULTS = {"config_kwargs": {"connect_timeout": 5, "read_timeout": 20,
                                  "retries": {"max_attempts": 2}}}  # fmt: skip
 
 
+_INHERITED: list[Any] = []  # store clients a forked process got from its parent
+
+
 class StoreUnavailable(ConfigError):
     """The store did not answer within the retries; raised where it happened (a DataLoader
     worker re-raises it in its rank with the message alone)."""
@@ -86,6 +89,10 @@ class Store:
         """The file system of this process: an object store's client is not fork-safe, so a
         DataLoader worker (a fork) makes its own."""
         if self._pid != os.getpid():
+            if self._fs is not None:
+                # The parent's client, kept from collection: closing it here would run on the
+                # parent's event loop, which this process does not have (asyncio errors).
+                _INHERITED.append(self._fs)
             self._fs = fsspec.core.url_to_fs(self.root, skip_instance_cache=True,
                                              **self.options)[0]  # fmt: skip
             self._pid = os.getpid()
