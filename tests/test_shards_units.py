@@ -188,3 +188,27 @@ def test_a_local_folder_is_read_in_place(tmp_path):
         store.listing("val")
     with pytest.raises(ConfigError, match="does not exist"):
         Store(str(tmp_path / "nowhere"), {}, retries=1).listing("train")
+
+
+def test_brace_patterns_name_the_shards_in_their_order(tmp_path):
+    from ddp_utils.data.shards.store import expand_braces
+
+    assert expand_braces("train/s-{008..011}.tar") == [f"train/s-{i:03d}.tar" for i in range(8, 12)]
+    assert expand_braces("{b,a}/p-{0..1}.tar") == [
+        "b/p-0.tar",
+        "b/p-1.tar",
+        "a/p-0.tar",
+        "a/p-1.tar",
+    ]
+    with pytest.raises(ConfigError, match="not a range"):
+        expand_braces("train/{9..1}.tar")
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        for i in range(3):
+            (tmp_path / folder / f"p-{i}.tar").write_bytes(b"x" * (i + 1))
+    store = Store(str(tmp_path), {}, retries=1)
+    want = [("b/p-1.tar", 2), ("b/p-2.tar", 3), ("a/p-1.tar", 2), ("a/p-2.tar", 3)]
+    assert store.listing("{b,a}/p-{1..2}.tar") == want
+    assert store.listing("a/p-0.tar") == [("a/p-0.tar", 1)]
+    with pytest.raises(ConfigError, match="1 shard\\(s\\) of the pattern a/p-\\{0..3\\}.tar"):
+        store.listing("a/p-{0..3}.tar")

@@ -237,6 +237,7 @@ class ShardsData(StreamedData):
     family: ClassVar[str] = "ddp_utils.data.shards"
     name: str = "shards"
     root: str = "shards"  # a folder or URL holding <train_dir>/ and <val_dir>/
+    # A split's folder (its *.tar), or a brace pattern of shards: train/s-{000..099}.tar
     train_dir: str = "train"
     val_dir: str = "val"
     # fsspec's options for the store (s3fs: endpoint_url, key, secret, client_kwargs, ...);

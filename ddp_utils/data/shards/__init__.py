@@ -33,7 +33,7 @@ from ddp_utils.data.cache import shared_cache
 from ddp_utils.data.imagefolder import BadImages, match_channels, to_uint8, unreadable_reason
 from ddp_utils.data.loaders import eval_shard_loader, worker_loader
 from ddp_utils.data.samplers import EpochTagged, training_sampler
-from ddp_utils.data.shards.store import NodeCache, Store, default_cache_dir
+from ddp_utils.data.shards.store import NodeCache, Store, default_cache_dir, is_pattern
 from ddp_utils.data.shards.tarindex import IMAGE_KINDS, index_shard, join
 from ddp_utils.data.transforms import SeededTransform, eval_transform, train_transform
 from ddp_utils.dist import Runtime
@@ -174,7 +174,8 @@ def split_index(cfg: DataConfig, store: Store, cache: NodeCache | None, split: s
         path = Path(cfg.cache_dir or default_cache_dir()) / "index" / f"{digest}.pt"
 
         def build() -> dict[str, Any]:
-            written = writers_index(store, split, key)
+            folder = split if not is_pattern(split) else listing[0][0].rpartition("/")[0]
+            written = writers_index(store, folder, key)
             if written is not None:
                 return written
             names, sizes = [n for n, _ in listing], [s for _, s in listing]

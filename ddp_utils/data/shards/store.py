@@ -16,6 +16,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -105,26 +106,41 @@ class Store:
         return f"{self.root}/{name}"
 
     def listing(self, split: str) -> list[tuple[str, int]]:
-        """``(name relative to data.root, bytes)`` of each ``*.tar`` of a split, by name."""
-        pattern = f"{self.base.rstrip('/')}/{split}/*.tar"
-        try:
-            found = retrying(f"listing {self.url(split)}",
-                             lambda: self.fs.glob(pattern, detail=True), self.retries)  # fmt: skip
-        except (PermissionError, OSError) as e:
-            raise ConfigError(self.access_error(split, e)) from None
-        names = sorted(found)
-        if not names and not retrying(f"reading {self.root}", lambda: self.fs.exists(self.base),
-                                      self.retries):  # fmt: skip
+        """``(name relative to data.root, bytes)`` of each shard of a split: the ``*.tar`` of
+        the folder ``split``, by name, or the shards a brace pattern names, in its order
+        (``train/shard-{000000..000099}.tar``, ``{a,b}/part-{0..9}.tar``)."""
+        names = expand_braces(split) if is_pattern(split) else None
+        folders = sorted({n.rpartition("/")[0] for n in names}) if names else [split]
+        found: dict[str, Any] = {}
+        for folder in folders:
+            pattern = f"{self.base.rstrip('/')}/{folder}/*.tar"
+            try:
+                glob = lambda p=pattern: self.fs.glob(p, detail=True)  # noqa: E731
+                found |= retrying(f"listing {self.url(folder)}", glob, self.retries)
+            except (PermissionError, OSError) as e:
+                raise ConfigError(self.access_error(folder, e)) from None
+        start = len(self.base.rstrip("/")) + 1
+        sizes = {n[start:]: int(info["size"]) for n, info in found.items()}
+        if not sizes:
+            self.refuse_empty(split)
+        if names is None:
+            return sorted(sizes.items())
+        missing = [n for n in names if n not in sizes]
+        if missing:
+            raise ConfigError(f"{len(missing)} shard(s) of the pattern {split} are not under "
+                              f"{self.root}: {', '.join(missing[:5])}. Fix the pattern, or "
+                              "write the missing shards.")  # fmt: skip
+        return [(n, sizes[n]) for n in names]
+
+    def refuse_empty(self, split: str) -> None:
+        if not retrying(f"reading {self.root}", lambda: self.fs.exists(self.base), self.retries):
             raise ConfigError(
                 f"data.root={self.root} does not exist (no such folder, bucket or prefix): "
                 "check its spelling, or write the shards there first."
             )
-        if not names:
-            raise ConfigError(f"{self.url(split)}/ holds no *.tar shards: write them with "
-                              f"python -m ddp_utils.shards write --out {self.root} ..., or set "
-                              f"data.root (data.train_dir / data.val_dir).")  # fmt: skip
-        start = len(self.base.rstrip("/")) + 1
-        return [(n[start:], int(found[n]["size"])) for n in names]
+        raise ConfigError(f"{self.url(split)}/ holds no *.tar shards: write them with "
+                          f"python -m ddp_utils.shards write --out {self.root} ..., or set "
+                          f"data.root (data.train_dir / data.val_dir).")  # fmt: skip
 
     def access_error(self, split: str, e: Exception) -> str:
         return (f"cannot list {self.url(split)} ({type(e).__name__}: {e}). Check data.root, the "
@@ -153,6 +169,31 @@ class Store:
 
     def local_path(self, name: str) -> Path:
         return Path(self.base) / name
+
+
+BRACES = re.compile(r"\{([^{}]*)\}")
+
+
+def is_pattern(split: str) -> bool:
+    """A split given as shards (a brace pattern or one ``.tar``), not as a folder."""
+    return "{" in split or split.endswith(".tar")
+
+
+def expand_braces(pattern: str) -> list[str]:
+    """WebDataset's brace patterns: ``{000..012}`` (a numeric range, zero-padded as written)
+    and ``{a,b,c}`` (alternatives), as many groups as the pattern has, left to right."""
+    m = BRACES.search(pattern)
+    if m is None:
+        return [pattern]
+    body, head, tail = m.group(1), pattern[: m.start()], pattern[m.end() :]
+    if ".." in body:
+        lo, _, hi = body.partition("..")
+        if not (lo.isdigit() and hi.isdigit()) or int(lo) > int(hi):
+            raise ConfigError(f"{{{body}}} in {pattern} is not a range like {{000..099}}")
+        choices = [str(i).zfill(len(lo)) for i in range(int(lo), int(hi) + 1)]
+    else:
+        choices = body.split(",")
+    return [name for c in choices for name in expand_braces(head + c + tail)]
 
 
 def default_cache_dir() -> Path:
