@@ -69,10 +69,12 @@ class Seaweed:
         return self
 
     def client(self):
-        import boto3
+        """A plain S3 client (botocore's, which s3fs brings)."""
+        import botocore.session
 
-        return boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=KEY,
-                            aws_secret_access_key=SECRET, region_name="us-east-1")  # fmt: skip
+        return botocore.session.get_session().create_client(
+            "s3", endpoint_url=self.endpoint, aws_access_key_id=KEY,
+            aws_secret_access_key=SECRET, region_name="us-east-1")  # fmt: skip
 
     def wait_ready(self, timeout: float = 60) -> None:
         deadline = time.monotonic() + timeout
