@@ -108,7 +108,8 @@ class ShardedScaler(ShardedGradScaler):
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         super().unscale_(optimizer)  # reduced over the ranks there
-        self._as_scalars(optimizer)
+        if self._enabled:  # a disabled scaler (no fp16) keeps no state
+            self._as_scalars(optimizer)
 
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         for found in super()._check_inf_per_device(optimizer).values():
