@@ -407,9 +407,14 @@ def main_rank_runs(rt: Runtime, work: Callable[[], Any]) -> Any:
             return work()
         finally:
             store.set(key, b"1")
+    wait_for_key(store, key)
+    return None
+
+
+def wait_for_key(store: dist.Store, key: str) -> None:
+    """Poll the store until ``key`` is set: no collective, so no timeout ends the wait."""
     while not store.check([key]):
         time.sleep(MAIN_WAIT_POLL_S)
-    return None
 
 
 @contextlib.contextmanager
@@ -424,8 +429,7 @@ def local_main_first(rt: Runtime) -> Iterator[None]:
         return
     store = group_store()
     if not rt.is_local_main:
-        while not store.check([key]):
-            time.sleep(MAIN_WAIT_POLL_S)
+        wait_for_key(store, key)
         yield
         return
     try:

@@ -48,15 +48,23 @@ def fingerprint(listing: list[tuple[str, int]]) -> str:
     return hashlib.sha1(json.dumps([INDEX_VERSION, listing]).encode()).hexdigest()
 
 
+def shard_windows(
+    n_shards: int, seed: int, epoch: int, window: int
+) -> tuple[list[list[int]], torch.Generator]:
+    """The epoch's shards, permuted and cut into windows of ``window``; the generator goes on
+    to draw the samples' order within each window (``window_order``)."""
+    g = torch.Generator().manual_seed(seed + epoch)
+    shards = torch.randperm(n_shards, generator=g).tolist()
+    return [shards[w : w + window] for w in range(0, n_shards, window)], g
+
+
 def window_order(counts: torch.Tensor, seed: int, epoch: int, window: int) -> list[int]:
     """The epoch's order: the shards permuted, then the samples within each run of ``window``
     shards of that permutation; a function of (counts, seed, epoch, window) alone."""
-    g = torch.Generator().manual_seed(seed + epoch)
+    windows, g = shard_windows(len(counts), seed, epoch, window)
     starts = torch.cumsum(counts, 0) - counts
-    shards = torch.randperm(len(counts), generator=g)
     parts = []
-    for w in range(0, len(shards), window):
-        chosen = shards[w : w + window]
+    for chosen in windows:
         idx = torch.cat([torch.arange(int(starts[s]), int(starts[s] + counts[s])) for s in chosen])
         parts.append(idx[torch.randperm(len(idx), generator=g)])
     return torch.cat(parts).tolist() if parts else []
@@ -140,16 +148,11 @@ class Prefetching(Sampler):
         self.keys, self.source, self.window, self.seed = keys, source, window, seed
         self.pool: ThreadPoolExecutor | None = None
 
-    def windows(self, epoch: int) -> list[list[int]]:
-        g = torch.Generator().manual_seed(self.seed + epoch)
-        shards = torch.randperm(len(self.source.counts), generator=g).tolist()
-        return [shards[w : w + self.window] for w in range(0, len(shards), self.window)]
-
     def __iter__(self) -> Iterator[tuple[int, int]]:
         windows, current = None, -1
         for epoch, i in self.keys:
             if windows is None:
-                windows = self.windows(epoch)
+                windows = shard_windows(len(self.source.counts), self.seed, epoch, self.window)[0]
                 window_of = {s: w for w, ws in enumerate(windows) for s in ws}
             w = window_of[int(self.source.shard_of[i if i >= 0 else ~i])]
             if w != current and w + 1 < len(windows):
