@@ -10,6 +10,7 @@ all-reduce over one rank is the identity) and only adds its reducer's hooks to e
 
 from __future__ import annotations
 
+import inspect
 import math
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -20,6 +21,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_utils.strategy.base import Strategy
 from ddp_utils.strategy.powersgd import PowerSGD, mean_errors, powersgd_hook
+
+# torch 2.14 renamed the argument (the old name warns); older versions know only the old one.
+NO_FORWARD_BUFFER_SYNC = (
+    "forward_sync_buffers"
+    if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
+    else "broadcast_buffers"
+)
 
 
 def compression_hook(name: str) -> object:
@@ -88,7 +96,7 @@ class DDPStrategy(Strategy):
             # each step): rank 0's own running statistics follow the same course without it,
             # and every rank is given them before each validation and checkpoint
             # (sync_buffers), so what is scored and saved is unchanged.
-            "broadcast_buffers": False,
+            NO_FORWARD_BUFFER_SYNC: False,
         }
 
     def no_sync(self) -> AbstractContextManager:
