@@ -128,9 +128,15 @@ def stop_for_lost_peer(why: str, launcher_acted: bool = False) -> NoReturn:
           file=sys.stderr, flush=True)  # fmt: skip
     if not launcher_acted:
         time.sleep(NON_MAIN_EXIT_DELAY_S)  # the failing rank stays torchrun's first failure
+    exit_now(PEER_LOST_EXIT)
+
+
+def exit_now(code: int) -> NoReturn:
+    """Leave without the interpreter's teardown, the logs and output flushed first."""
     logging.shutdown()
     sys.stdout.flush()
-    os._exit(PEER_LOST_EXIT)
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def user_errors(main: Callable[[], Any]) -> Callable[[], Any]:

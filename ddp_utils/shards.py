@@ -31,26 +31,36 @@ import numpy as np
 import torch
 
 from ddp_utils.config import ConfigError, DataConfig
+from ddp_utils.data import resolve_data
 from ddp_utils.data.registry import family_of
-from ddp_utils.data.samplers import BAD_LABEL
 from ddp_utils.data.shards import CLASSES_FILE, INDEX_FILE, fingerprint
+from ddp_utils.data.shards.formats import format_of
 from ddp_utils.data.shards.tarindex import index_shard, join
 from ddp_utils.dist import Runtime
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 SPLITS = {"train": "train", "val": "val"}
+RUNTIME = Runtime(0, 0, 1, 1, torch.device("cpu"), "gloo")  # the writer is one process
 _job: dict[str, Any] = {}  # the forked writers' source and options
 
 
 def compose_data(overrides: list[str]) -> DataConfig:
+    """The data option of ``overrides`` as train.py composes it, checked on its own (the
+    writer trains nothing: no task or model has to match it)."""
     from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
 
-    from ddp_utils.config import to_schema, validate
+    from ddp_utils.config import TrainConfig
+    from ddp_utils.config.schema import collect_target_kwargs
     from ddp_utils.entry import register
 
     register()
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        return validate(to_schema(compose("train", overrides=overrides))).data
+        cfg = compose("train", overrides=overrides)
+    collect_target_kwargs(cfg, TrainConfig)
+    data = OmegaConf.to_object(cfg.data)
+    data.check()
+    return data
 
 
 def encode(image: torch.Tensor, decoded: bool, resize: int | None) -> tuple[str, bytes]:
@@ -77,34 +87,33 @@ def add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
 def write_shard(k: int) -> tuple[int, str, dict[str, torch.Tensor], int]:
     """Shard ``k`` of the split into the temporary folder; its index part and size."""
     src, per, folder, tmp = _job["source"], _job["per"], _job["folder"], _job["tmp"]
+    fmt = _job["format"]
     name = f"{folder}/shard-{k:06d}.tar"
     path = Path(tmp) / name
     with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
         for i in range(k * per, min(len(src), (k + 1) * per)):
-            image, label = src[i]
-            if int(label) == BAD_LABEL:  # an unreadable file, skipped (data.skip_bad_images)
+            image, target = src[i]
+            if fmt.skipped(target):
                 continue
-            kind, data = encode(image, _job["decoded"], _job["resize"])
-            add(tar, f"{i:09d}.{kind}", data)
-            add(tar, f"{i:09d}.cls", str(int(label)).encode())
+            for kind, data in (encode(image, _job["decoded"], _job["resize"]), fmt.encode(target)):
+                add(tar, f"{i:09d}.{kind}", data)
     with open(path, "rb") as f:
-        part = index_shard(f, name, _job["num_classes"])
+        part = index_shard(f, name, fmt)
     return k, name, part, path.stat().st_size
 
 
 def write_split(cfg: DataConfig, split: str, out: str, args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    rt = Runtime(0, 0, 1, 1, torch.device("cpu"), "gloo")
-    source = family_of(cfg).samples(cfg, rt, split)
+    rt = RUNTIME
+    source, fmt = family_of(cfg).samples(cfg, rt, split), format_of(cfg)
     folder = SPLITS[split]
     n_shards = math.ceil(len(source) / args.samples_per_shard)
     fs, base = fsspec.core.url_to_fs(out)
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / folder).mkdir()
         _job.update(source=source, per=args.samples_per_shard, folder=folder, tmp=tmp,
-                    decoded=args.decoded, resize=args.resize,
-                    num_classes=cfg.num_classes)  # fmt: skip
+                    decoded=args.decoded, resize=args.resize, format=fmt)  # fmt: skip
         results = []
         with multiprocessing.get_context("fork").Pool(args.workers) as pool:
             for result in tqdm(pool.imap_unordered(write_shard, range(n_shards)), total=n_shards,
@@ -115,7 +124,8 @@ def write_split(cfg: DataConfig, split: str, out: str, args: argparse.Namespace)
                 results.append(result)
         results.sort()
         listing = [(name, size) for _, name, _, size in results]
-        index = join([n for n, _ in listing], [p for _, _, p, _ in results], fingerprint(listing))
+        key = fingerprint(listing, fmt.option)
+        index = join([n for n, _ in listing], [p for _, _, p, _ in results], key)
         index["shard_bytes"] = torch.tensor([s for _, s in listing])
         buffer = io.BytesIO()
         torch.save(index, buffer)
@@ -123,7 +133,7 @@ def write_split(cfg: DataConfig, split: str, out: str, args: argparse.Namespace)
     classes = getattr(source, "classes", None)
     if classes:
         fs.pipe_file(f"{base}/{CLASSES_FILE}", "\n".join(classes).encode())
-    return len(index["label"])
+    return len(index["offset"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,16 +150,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.samples_per_shard < 1 or args.workers < 1:
         p.error("--samples-per-shard and --workers must be at least 1")
     try:
-        cfg = compose_data(args.overrides)
+        cfg = resolve_data(compose_data(args.overrides), RUNTIME)
+        if args.resize is not None and type(cfg).holds != "labels":
+            raise ConfigError(f"--resize resizes the images alone, but data={cfg.name} holds "
+                              f"{type(cfg).holds}: store them at their size (leave out "
+                              "--resize).")  # fmt: skip
         for split in SPLITS:
             n = write_split(cfg, split, args.out, args)
             print(f"{split}: {n} samples in {args.out.rstrip('/')}/{SPLITS[split]}/")
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"train with: train.py data=shards data.root={args.out} data.num_classes="
-          f"{cfg.num_classes} data.in_channels={cfg.in_channels} data.image_size="
-          f"{cfg.image_size}")  # fmt: skip
+    print(f"train with: train.py data={format_of(cfg).option} data.root={args.out} "
+          f"data.num_classes={cfg.num_classes} data.in_channels={cfg.in_channels} "
+          f"data.image_size={cfg.image_size}")  # fmt: skip
     return 0
 
 

@@ -50,6 +50,7 @@ def test_every_option_composes_and_validates(group, option):
         ("data", "pystdlib"): ["model=gpt", "task=language_model"],
         ("data", "digits_det"): ["model=tiny_det", "task=detection"],
         ("data", "voc_det"): ["model=tiny_det", "task=detection"],
+        ("data", "detshards"): ["model=tiny_det", "task=detection", "data.num_classes=3"],
         ("data", "detfolder"): [
             "model=tiny_det",
             "task=detection",
@@ -58,7 +59,7 @@ def test_every_option_composes_and_validates(group, option):
         ],
         **{
             ("data", seg): ["model=seg_convnet", "task=segmentation"]
-            for seg in ("digits_seg", "mnist_seg", "segfolder", "voc")
+            for seg in ("digits_seg", "mnist_seg", "segfolder", "voc", "segshards")
         },
     }.get((group, option), [])
     cfg = to_schema(compose_train(f"{group}={option}", *required))

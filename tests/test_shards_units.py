@@ -5,6 +5,7 @@ a store that never answers."""
 from __future__ import annotations
 
 import io
+import json
 import tarfile
 import threading
 import time
@@ -15,14 +16,19 @@ import pytest
 import torch
 from seaweed import free_ports
 
-from ddp_utils.config import ConfigError
+from ddp_utils.config import ConfigError, ShardsData
 from ddp_utils.data.samplers import ResumableDistributedSampler
 from ddp_utils.data.shards import window_order
+from ddp_utils.data.shards.formats import ClassFormat
 from ddp_utils.data.shards.store import NodeCache, Store, StoreUnavailable
 from ddp_utils.data.shards.tarindex import index_shard, split_name
 
 COUNTS = torch.tensor([7, 3, 10, 1, 9, 6, 4])  # uneven shards, as real ones are
 STARTS = torch.cumsum(COUNTS, 0) - COUNTS
+
+
+def labels(num_classes: int) -> ClassFormat:
+    return ClassFormat(ShardsData(num_classes=num_classes))
 
 
 def shard_of(i: int) -> int:
@@ -80,7 +86,7 @@ def tar_bytes(members: list[tuple[str, bytes]]) -> bytes:
 def test_the_index_gives_each_samples_byte_range_and_label():
     data = tar_bytes([("a/0001.png", b"PNG1"), ("a/0001.cls", b"3\n"), ("a/0002.seg.png", b"x"),
                       ("a/0002.jpg", b"JPEG22"), ("a/0002.cls", b"0")])  # fmt: skip
-    index = index_shard(io.BytesIO(data), "s.tar", num_classes=5)
+    index = index_shard(io.BytesIO(data), "s.tar", labels(5))
     assert index["label"].tolist() == [3, 0] and index["size"].tolist() == [4, 6]
     first, second = (int(o) for o in index["offset"])
     assert data[first : first + 4] == b"PNG1" and data[second : second + 6] == b"JPEG22"
@@ -90,22 +96,66 @@ def test_the_index_gives_each_samples_byte_range_and_label():
 @pytest.mark.parametrize(
     ("members", "says"),
     [
-        ([("k.png", b"x")], "has no a .cls label"),
-        ([("k.cls", b"1")], "has no an image"),
+        ([("k.png", b"x")], "has no .cls member"),
+        ([("k.cls", b"1")], "has no image"),
         ([("k.png", b"x"), ("k.cls", b"cat")], "not a class index"),
         ([("k.png", b"x"), ("k.cls", b"12")], "outside data.num_classes=10"),
     ],
 )
 def test_a_sample_the_index_cannot_use_is_named(members, says):
     with pytest.raises(ConfigError, match=says) as e:
-        index_shard(io.BytesIO(tar_bytes(members)), "s3://b/train/shard-7.tar", num_classes=10)
+        index_shard(io.BytesIO(tar_bytes(members)), "s3://b/train/shard-7.tar", labels(10))
     assert "shard-7.tar" in str(e.value)
+
+
+def png(h: int, w: int) -> bytes:
+    from torchvision.io import encode_png
+
+    return encode_png(torch.zeros(3, h, w, dtype=torch.uint8)).numpy().tobytes()
+
+
+def test_masks_and_boxes_keep_the_images_sizes_and_their_members_byte_ranges():
+    from ddp_utils.config import DetShardsData, SegShardsData
+    from ddp_utils.data.shards.formats import BoxFormat, MaskFormat
+
+    boxes = json.dumps({"boxes": [[1, 2, 6, 4]], "labels": [2]}).encode()
+    data = tar_bytes([("0.png", png(5, 7)), ("0.mask.png", b"M" * 9), ("0.json", boxes),
+                      ("1.png", png(3, 4)), ("1.seg.png", b"S"), ("1.json", b"{}")])  # fmt: skip
+    masks = index_shard(io.BytesIO(data), "s.tar", MaskFormat(SegShardsData(num_classes=4)))
+    assert masks["height"].tolist() == [5, 3] and masks["width"].tolist() == [7, 4]
+    start, size = int(masks["target_offset"][0]), int(masks["target_size"][0])
+    assert data[start : start + size] == b"M" * 9 and "label" not in masks
+    fmt = BoxFormat(DetShardsData(num_classes=3))
+    index = index_shard(io.BytesIO(data), "s.tar", fmt)
+    start, size = int(index["target_offset"][0]), int(index["target_size"][0])
+    target = fmt.target(index, 0, data[start : start + size], "sample 0")
+    assert target["boxes"].tolist() == [[1, 2, 6, 4]] and target["boxes"].canvas_size == (5, 7)
+    assert target["labels"].tolist() == [2] and target["iscrowd"].tolist() == [0]
+
+
+@pytest.mark.parametrize(
+    ("record", "says"),
+    [
+        (b"[1, 2", "is not a boxes record"),
+        (b'{"boxes": [[0, 0, 2, 2]], "labels": []}', "has 1 boxes, 0 labels"),
+        (b'{"boxes": [[0, 0, 9, 2]], "labels": [1]}', "outside its 7x5 image"),
+        (b'{"boxes": [[0, 0, 2, 2]], "labels": [3]}', "label 3, outside 1..2"),
+    ],
+)
+def test_a_boxes_record_the_index_cannot_use_is_named(record, says):
+    from ddp_utils.config import DetShardsData
+    from ddp_utils.data.shards.formats import BoxFormat
+
+    data = tar_bytes([("a/k.png", png(5, 7)), ("a/k.json", record)])
+    with pytest.raises(ConfigError, match=says) as e:
+        index_shard(io.BytesIO(data), "shard-4.tar", BoxFormat(DetShardsData(num_classes=3)))
+    assert "a/k.json in the shard shard-4.tar" in str(e.value)
 
 
 def test_a_truncated_shard_is_named():
     data = tar_bytes([(f"{i:04d}.png", b"x" * 3000) for i in range(3)])
     with pytest.raises(ConfigError, match="shard-3.tar is not a readable tar file"):
-        index_shard(io.BytesIO(data[:2500]), "shard-3.tar", num_classes=10)
+        index_shard(io.BytesIO(data[:2500]), "shard-3.tar", labels(10))
 
 
 @pytest.fixture

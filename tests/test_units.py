@@ -496,6 +496,7 @@ def test_a_stop_signal_outside_the_loop_names_what_happened(steps, code, says, c
         mock.patch.dict("os.environ", {"RANK": "0"}),
         mock.patch("ddp_utils.entry.NON_MAIN_EXIT_DELAY_S", 0),
         mock.patch("ddp_utils.entry.write_error_file"),
+        mock.patch("ddp_utils.entry.exit_now", sys.exit),  # not os._exit: this is pytest
         # clean_exit marks the job started: a fork of this process (run_forked) must not
         # inherit that, nor the training flag.
         mock.patch("ddp_utils.entry._job_started", False),

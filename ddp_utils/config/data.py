@@ -230,12 +230,10 @@ class ImageFolderData(StreamedData):
 
 
 @dataclass
-class ShardsData(StreamedData):
-    """data=shards: WebDataset-layout tar shards under data.root/<train_dir>/*.tar (and
-    <val_dir>), in a local folder or at any fsspec URL (s3://, gs://, https://, file://)."""
+class ShardStore(DataConfig):
+    """Where tar shards are and how they are read: the keys data=shards, segshards and
+    detshards share (``ddp_utils.data.shards``)."""
 
-    family: ClassVar[str] = "ddp_utils.data.shards"
-    name: str = "shards"
     root: str = "shards"  # a folder or URL holding <train_dir>/ and <val_dir>/
     # A split's folder (its *.tar), or a brace pattern of shards: train/s-{000..099}.tar
     train_dir: str = "train"
@@ -257,6 +255,15 @@ class ShardsData(StreamedData):
         check_positive("data.shuffle_window", self.shuffle_window)
         check_positive("data.cache_bytes", self.cache_bytes, allow_zero=True)
         check_positive("data.retries", self.retries)
+
+
+@dataclass
+class ShardsData(StreamedData, ShardStore):
+    """data=shards: WebDataset-layout tar shards (KEY.<image> + KEY.cls) under
+    data.root/<train_dir>/*.tar (and <val_dir>), in a local folder or at any fsspec URL."""
+
+    family: ClassVar[str] = "ddp_utils.data.shards"
+    name: str = "shards"
 
 
 @dataclass
@@ -423,6 +430,17 @@ class VOCData(SegmentationData):
 
 
 @dataclass
+class SegShardsData(SegmentationData, ShardStore):
+    """data=segshards: tar shards of KEY.<image> + KEY.mask.png (an 8-bit index mask)."""
+
+    name: str = "segshards"
+    in_channels: int = 3
+    mean: list[float] = field(default_factory=lambda: list(IMAGENET_MEAN))
+    std: list[float] = field(default_factory=lambda: list(IMAGENET_STD))
+    augment: bool = True
+
+
+@dataclass
 class DetectionData(DataConfig):
     """What the detection options share: images with per-image boxes and their labels,
     ``(uint8 CHW image, {"boxes": tv_tensors.BoundingBoxes (xyxy, pixels), "labels"})``.
@@ -508,6 +526,18 @@ class DetFolderData(DetFilesData):
     images_dir: str = "images"
     train_annotations: str = "annotations/train.json"
     val_annotations: str = "annotations/val.json"
+
+
+@dataclass
+class DetShardsData(DetFilesData, ShardStore):
+    """data=detshards: tar shards of KEY.<image> + KEY.json (boxes, labels, iscrowd); the
+    class names in data.root/classes.txt (the background first)."""
+
+    counts_classes: ClassVar[bool] = True
+
+    name: str = "detshards"
+    root: str = "shards"
+    num_classes: int | None = None  # null = the lines of data.root/classes.txt
 
 
 @dataclass
@@ -653,11 +683,13 @@ DATA_OPTIONS: dict[str, type[DataConfig]] = {
     "digits_seg": DigitsSegData,
     "mnist_seg": MnistSegData,
     "segfolder": SegFolderData,
+    "segshards": SegShardsData,
     "voc": VOCData,
     "tokens": TokenData,
     "pystdlib": PyStdlibData,
     "digits_det": DigitsDetData,
     "detfolder": DetFolderData,
+    "detshards": DetShardsData,
     "voc_det": VOCDetData,
 }
 

@@ -26,7 +26,7 @@ from torch.utils.data import Dataset
 from torchvision.io import ImageReadMode, decode_image, read_file
 from torchvision.transforms.v2 import functional as TF
 
-from ddp_utils.config import ConfigError, DataConfig, whole_sentences
+from ddp_utils.config import ConfigError, DataConfig, skips_bad_images, whole_sentences
 from ddp_utils.data.cache import cache_path, shared_cache
 from ddp_utils.data.classes import class_difference
 from ddp_utils.data.samplers import BAD_LABEL
@@ -373,7 +373,8 @@ class BadImages:
     and the metrics), warning once per item in each worker process."""
 
     def __init__(self, cfg: DataConfig) -> None:
-        self.skip, self.channels, self.size = cfg.skip_bad_images, cfg.in_channels, cfg.image_size
+        self.skip = skips_bad_images(cfg)  # masks, boxes: no key (no blank stands in for them)
+        self.channels, self.size = cfg.in_channels, cfg.image_size
         self.warned: set[object] = set()
 
     def handle(self, item: object, stop: str, warning: str) -> tuple[torch.Tensor, int]:

@@ -104,12 +104,23 @@ def eval_shard_loader(ds: Dataset, cfg: DataConfig, rt: Runtime) -> DataLoader:
 
 
 def sharded_loaders(
-    train_ds: Dataset, val_ds: Dataset, cfg: DataConfig, rt: Runtime, seed: int
+    train_ds: Dataset,
+    val_ds: Dataset,
+    cfg: DataConfig,
+    rt: Runtime,
+    seed: int,
+    source: object = None,
 ) -> tuple[DataLoader, DataLoader, ResumableDistributedSampler]:
     """The per-sample-seeded training loader (its keys carry the epoch), the exact
-    validation loader, and the training sampler."""
-    sampler = training_sampler(len(train_ds), cfg, rt, seed)
-    train = worker_loader(train_ds, EpochTagged(sampler), cfg, rt)
+    validation loader, and the training sampler. A training ``source`` that reads in an order
+    of its own (tar shards: by windows of shards) says so: ``epoch_order(seed, epoch)`` gives
+    the epoch's permutation, ``prefetching(keys, seed)`` wraps the keys the workers get."""
+    order = getattr(source, "epoch_order", None)
+    sampler = training_sampler(len(train_ds), cfg, rt, seed, order=order)
+    keys: Sampler = EpochTagged(sampler)
+    if hasattr(source, "prefetching"):
+        keys = source.prefetching(keys, seed)
+    train = worker_loader(train_ds, keys, cfg, rt)
     return train, eval_shard_loader(val_ds, cfg, rt), sampler
 
 

@@ -13,7 +13,13 @@ from dataclasses import replace
 
 from torchvision.transforms import v2
 
-from ddp_utils.config import DetectionData, DetFolderData, DigitsDetData, VOCDetData
+from ddp_utils.config import (
+    DetectionData,
+    DetFolderData,
+    DetShardsData,
+    DigitsDetData,
+    VOCDetData,
+)
 from ddp_utils.data.bundle import DataBundle, EvalData, image_bundle, image_eval
 from ddp_utils.data.loaders import eval_shard_loader, sharded_loaders
 from ddp_utils.data.registry import by_schema
@@ -40,7 +46,14 @@ def voc_source(cfg: DetectionData, split: str, rt: Runtime):
     return VOCSource(cfg, split)
 
 
-SOURCES = {DigitsDetData: canvas_source, DetFolderData: coco_source, VOCDetData: voc_source}
+def shards_source(cfg: DetectionData, split: str, rt: Runtime):
+    from ddp_utils.data.shards import samples
+
+    return samples(cfg, rt, split)
+
+
+SOURCES = {DigitsDetData: canvas_source, DetFolderData: coco_source, VOCDetData: voc_source,
+           DetShardsData: shards_source}  # fmt: skip
 
 
 def coco_class_count(cfg: DetFolderData) -> int:
@@ -49,8 +62,15 @@ def coco_class_count(cfg: DetFolderData) -> int:
     return class_count(cfg)
 
 
+def shards_class_count(cfg: DetShardsData) -> int:
+    from ddp_utils.data.shards import class_names
+
+    return len(class_names(cfg))
+
+
 # What data.num_classes is when it is left null: the classes the data names, and the background.
-CLASS_COUNTS = {DetFolderData: coco_class_count, VOCDetData: lambda cfg: len(cfg.classes) + 1}
+CLASS_COUNTS = {DetFolderData: coco_class_count, VOCDetData: lambda cfg: len(cfg.classes) + 1,
+                DetShardsData: shards_class_count}  # fmt: skip
 
 
 def resolve(cfg: DetectionData, rt: Runtime) -> DetectionData:
@@ -59,6 +79,11 @@ def resolve(cfg: DetectionData, rt: Runtime) -> DetectionData:
     if cfg.num_classes is not None:
         return cfg
     return replace(cfg, num_classes=by_schema(CLASS_COUNTS, cfg)(cfg))
+
+
+def samples(cfg: DetectionData, rt: Runtime, split: str):
+    """``(uint8 CHW image, boxes target)`` of a split (``python -m ddp_utils.shards write``)."""
+    return by_schema(SOURCES, cfg)(cfg, split, rt)
 
 
 def det_dataset(source, cfg: DetectionData, train: bool, seed: int) -> SeededTransform:
@@ -75,7 +100,7 @@ def build(cfg: DetectionData, rt: Runtime, seed: int, channels_last: bool | str)
         det_dataset(train_src, cfg, True, seed),
         det_dataset(val_src, cfg, False, seed),
     )
-    loaders = (*sharded_loaders(train_ds, val_ds, cfg, rt, seed), train_src.classes)
+    loaders = (*sharded_loaders(train_ds, val_ds, cfg, rt, seed, train_src), train_src.classes)
     return image_bundle(cfg, rt, loaders, False, channels_last)
 
 

@@ -9,7 +9,7 @@ same per-sample seeding by (seed, epoch, index) as the image folders: identical 
 
 from __future__ import annotations
 
-from ddp_utils.config import CanvasData, SegFolderData, SegmentationData, VOCData
+from ddp_utils.config import CanvasData, SegFolderData, SegmentationData, SegShardsData, VOCData
 from ddp_utils.data.bundle import DataBundle, EvalData, image_bundle, image_eval
 from ddp_utils.data.loaders import eval_shard_loader, sharded_loaders
 from ddp_utils.data.registry import by_schema
@@ -21,7 +21,7 @@ from ddp_utils.data.segmentation.transforms import (
 )
 from ddp_utils.dist import Runtime, local_main_first
 
-__all__ = ["build", "build_eval", "seg_source", "seg_dataset"]
+__all__ = ["build", "build_eval", "samples", "seg_source", "seg_dataset"]
 
 
 def canvas_source(cfg: SegmentationData, split: str, rt: Runtime):
@@ -44,12 +44,24 @@ def folder_source(cfg: SegmentationData, split: str, rt: Runtime):
     return folders.PairSource(index, cfg, folders.folder_classes(cfg))
 
 
-SOURCES = {CanvasData: canvas_source, VOCData: voc_source, SegFolderData: folder_source}
+def shards_source(cfg: SegmentationData, split: str, rt: Runtime):
+    from ddp_utils.data.shards import samples
+
+    return samples(cfg, rt, split)
+
+
+SOURCES = {CanvasData: canvas_source, VOCData: voc_source, SegFolderData: folder_source,
+           SegShardsData: shards_source}  # fmt: skip
 
 
 def seg_source(cfg: SegmentationData, split: str, rt: Runtime):
     """The split's ``(image, mask)`` source, with ``classes`` and ``sizes`` (N, 2)."""
     return by_schema(SOURCES, cfg)(cfg, split, rt)
+
+
+def samples(cfg: SegmentationData, rt: Runtime, split: str):
+    """``(uint8 CHW image, uint8 HW mask)`` of a split (``python -m ddp_utils.shards write``)."""
+    return seg_source(cfg, split, rt)
 
 
 def seg_dataset(source, cfg: SegmentationData, train: bool, seed: int) -> SeededPairs:
@@ -69,7 +81,7 @@ def build(cfg: SegmentationData, rt: Runtime, seed: int, channels_last: bool | s
     train_src, val_src = seg_source(cfg, "train", rt), seg_source(cfg, "val", rt)
     train_ds = seg_dataset(train_src, cfg, True, seed)
     val_ds = seg_dataset(val_src, cfg, False, seed)
-    loaders = (*sharded_loaders(train_ds, val_ds, cfg, rt, seed), train_src.classes)
+    loaders = (*sharded_loaders(train_ds, val_ds, cfg, rt, seed, train_src), train_src.classes)
     return image_bundle(cfg, rt, loaders, False, channels_last)
 
 

@@ -16,6 +16,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 import torch
@@ -207,25 +208,29 @@ def voc_index(cfg: SegmentationData, split: str, rt: Runtime) -> PairIndex:
     return PairIndex.from_dict(Path(contents["folder"]), contents)
 
 
-def read_mask(path: str, cfg: SegmentationData) -> torch.Tensor:
-    """A mask file as uint8 (H, W) class ids; a value that is no class and not
-    ``data.ignore_index`` stops the run, naming the file."""
+def read_mask(
+    path: str | IO[bytes], cfg: SegmentationData, name: str | None = None
+) -> torch.Tensor:
+    """A mask file (or a file object, ``name`` saying what it is: a shard's member) as uint8
+    (H, W) class ids; a value that is no class and not ``data.ignore_index`` stops the run,
+    naming the file."""
     from PIL import Image
 
+    shown = name or str(path)
     try:
         with Image.open(path) as m:
             array = np.array(m)
     except OSError as e:
-        raise BadImageError(f"cannot read the mask {path} ({e}). Replace or delete it.") from None
+        raise BadImageError(f"cannot read the mask {shown} ({e}). Replace or delete it.") from None
     if array.ndim != 2:
-        raise BadImageError(f"the mask {path} has {array.shape[-1]} channels: a mask holds one "
+        raise BadImageError(f"the mask {shown} has {array.shape[-1]} channels: a mask holds one "
                             "class id a pixel.")  # fmt: skip
     # A histogram, not np.unique: no sort of every pixel in the workers' per-sample path.
     present = np.flatnonzero(np.bincount(array.ravel(), minlength=cfg.num_classes))
     bad = present[(present >= cfg.num_classes) & (present != cfg.ignore_index)]
     if bad.size:
         raise BadImageError(
-            f"the mask {path} holds the values {bad[:SHOWN].tolist()}, not class ids of "
+            f"the mask {shown} holds the values {bad[:SHOWN].tolist()}, not class ids of "
             f"data.num_classes={cfg.num_classes} nor data.ignore_index={cfg.ignore_index}. "
             "Raise data.num_classes, set data.ignore_index, or fix the mask."
         )

@@ -31,8 +31,9 @@ from ddp_utils.config import ConfigError, DataConfig
 from ddp_utils.data.bundle import DataBundle, EvalData, image_bundle, image_eval
 from ddp_utils.data.cache import shared_cache
 from ddp_utils.data.imagefolder import BadImages, match_channels, to_uint8, unreadable_reason
-from ddp_utils.data.loaders import eval_shard_loader, worker_loader
-from ddp_utils.data.samplers import EpochTagged, training_sampler
+from ddp_utils.data.loaders import eval_shard_loader, sharded_loaders
+from ddp_utils.data.samplers import EpochTagged
+from ddp_utils.data.shards.formats import format_of
 from ddp_utils.data.shards.store import NodeCache, Store, default_cache_dir, is_pattern
 from ddp_utils.data.shards.tarindex import IMAGE_KINDS, index_shard, join
 from ddp_utils.data.transforms import SeededTransform, eval_transform, train_transform
@@ -40,12 +41,13 @@ from ddp_utils.dist import Runtime
 
 INDEX_FILE = "index.pt"  # the writer's index of a split, beside its shards
 CLASSES_FILE = "classes.txt"  # class names, one a line, in data.root (optional)
-INDEX_VERSION = 1
+INDEX_VERSION = 2  # 2: the target member's byte range, the images' sizes
 OPEN_FILES = 16  # shards a reading process keeps open
 
 
-def fingerprint(listing: list[tuple[str, int]]) -> str:
-    return hashlib.sha1(json.dumps([INDEX_VERSION, listing]).encode()).hexdigest()
+def fingerprint(listing: list[tuple[str, int]], option: str) -> str:
+    """What an index describes: these shards (names and sizes), read by this data option."""
+    return hashlib.sha1(json.dumps([INDEX_VERSION, option, listing]).encode()).hexdigest()
 
 
 def shard_windows(
@@ -114,30 +116,44 @@ def decode_member(data: bytes, kind: int, channels: int, where: str) -> torch.Te
 
 
 class ShardSource(Dataset):
-    """``(uint8 CHW image, label)`` of each sample of a split's shards, in shard order."""
+    """``(uint8 CHW image, target)`` of each sample of a split's shards, in shard order: the
+    target as the data option's format makes it (a class, a mask, boxes). It also carries how
+    its training epochs are read: the windowed order and the next window's prefetch."""
 
     def __init__(self, reader: ShardReader, index: dict[str, Any], cfg: DataConfig,
                  classes: list[str] | None) -> None:  # fmt: skip
         self.reader, self.index, self.channels = reader, index, cfg.in_channels
+        self.format, self.window = format_of(cfg), cfg.shuffle_window
         self.counts = index["counts"]
         self.shard_of = torch.repeat_interleave(torch.arange(len(self.counts)), self.counts)
         self.bad, self.classes = BadImages(cfg), classes
+        if self.format.sizes:
+            self.sizes = torch.stack([index["height"], index["width"]], 1)  # (N, 2), as folders
 
     def __len__(self) -> int:
         return len(self.shard_of)
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, Any]:
         shard, ix = int(self.shard_of[i]), self.index
         where = f"sample {i} of {self.reader.store.url(self.reader.names[shard])}"
         data = self.reader.read(shard, int(ix["offset"][i]), int(ix["size"][i]))
+        member = None
+        if self.format.reads_target:
+            member = self.reader.read(shard, int(ix["target_offset"][i]), int(ix["target_size"][i]))
         try:
             image = decode_member(data, int(ix["kind"][i]), self.channels, where)
-            return image, int(ix["label"][i])
         except (RuntimeError, ValueError) as e:
             reason = unreadable_reason(e)
             stop = (f"cannot decode the {where} ({reason}): write the shard again, or set "
                     "data.skip_bad_images=true to skip unreadable images.")  # fmt: skip
             return self.bad.handle(where, stop, f"skipping the unreadable {where} ({reason})")
+        return image, self.format.target(ix, i, member, where)
+
+    def epoch_order(self, seed: int, epoch: int) -> list[int]:
+        return window_order(self.counts, seed, epoch, self.window)
+
+    def prefetching(self, keys: EpochTagged, seed: int) -> Sampler:
+        return Prefetching(keys, self, self.window, seed)
 
 
 class Prefetching(Sampler):
@@ -172,7 +188,7 @@ def split_index(cfg: DataConfig, store: Store, cache: NodeCache | None, split: s
 
     def locate():
         listing = store.listing(split)
-        key = fingerprint(listing)
+        key = fingerprint(listing, format_of(cfg).option)
         digest = hashlib.sha1(f"{store.root}/{split}".encode()).hexdigest()[:16]
         path = Path(cfg.cache_dir or default_cache_dir()) / "index" / f"{digest}.pt"
 
@@ -186,7 +202,7 @@ def split_index(cfg: DataConfig, store: Store, cache: NodeCache | None, split: s
             parts = []
             for s, (name, _) in enumerate(listing):
                 with open(reader.path(s), "rb") as f:
-                    parts.append(index_shard(f, store.url(name), cfg.num_classes))
+                    parts.append(index_shard(f, store.url(name), format_of(cfg)))
             return join([n for n, _ in listing], parts, key) | {
                 "shard_bytes": torch.tensor([s for _, s in listing])}  # fmt: skip
 
@@ -215,6 +231,31 @@ def read_classes(store: Store) -> list[str] | None:
         return None
 
 
+def class_names(cfg: DataConfig) -> list[str]:
+    """``data.root/classes.txt``, for a ``data.num_classes=null`` that counts its lines."""
+    store = Store(cfg.root, dict(cfg.storage_options), cfg.retries)
+    classes = read_classes(store)
+    if not classes:
+        raise ConfigError(
+            f"data.num_classes=null counts the lines of {store.url(CLASSES_FILE)}, which does not "
+            "exist: set data.num_classes (the classes and the background), or write the shards "
+            "with python -m ddp_utils.shards write, which writes it."
+        )
+    return classes
+
+
+def checked_classes(cfg: DataConfig, store: Store) -> list[str] | None:
+    """The class names of ``classes.txt`` if there, as many as ``data.num_classes``."""
+    classes = read_classes(store)
+    if classes is not None and len(classes) != cfg.num_classes:
+        raise ConfigError(
+            f"{store.url(CLASSES_FILE)} names {len(classes)} classes but data.num_classes="
+            f"{cfg.num_classes}; set data.num_classes={len(classes)} or fix the file (one class "
+            "name a line)."
+        )
+    return classes
+
+
 def open_store(cfg: DataConfig) -> tuple[Store, NodeCache | None]:
     store = Store(cfg.root, dict(cfg.storage_options), cfg.retries)
     if store.local or cfg.cache_bytes == 0:
@@ -236,7 +277,7 @@ def check_cache(cfg: DataConfig, index: dict[str, Any]) -> None:
 
 def sources(cfg: DataConfig, rt: Runtime, splits: tuple[str, ...]) -> dict[str, ShardSource]:
     store, cache = open_store(cfg)
-    classes = read_classes(store)
+    classes = checked_classes(cfg, store)
     found = {}
     for split in splits:
         index = split_index(
@@ -248,20 +289,18 @@ def sources(cfg: DataConfig, rt: Runtime, splits: tuple[str, ...]) -> dict[str, 
     return found
 
 
-def samples(cfg: DataConfig, rt: Runtime, split: str) -> Dataset:
-    """``(uint8 CHW image, label)`` of a split (``python -m ddp_utils.shards write`` reads it)."""
+def samples(cfg: DataConfig, rt: Runtime, split: str) -> ShardSource:
+    """``(uint8 CHW image, target)`` of a split: the segmentation and detection families'
+    source, and what ``python -m ddp_utils.shards write`` reads."""
     return sources(cfg, rt, (split,))[split]
 
 
 def build(cfg: DataConfig, rt: Runtime, seed: int, channels_last: bool | str) -> DataBundle:
     src = sources(cfg, rt, ("train", "val"))
-    train, window = src["train"], cfg.shuffle_window
-    order = lambda s, epoch: window_order(train.counts, s, epoch, window)  # noqa: E731
-    sampler = training_sampler(len(train), cfg, rt, seed, order=order)
-    keys = Prefetching(EpochTagged(sampler), train, window, seed)
-    loader = worker_loader(SeededTransform(train, train_transform(cfg), seed), keys, cfg, rt)
-    val = eval_shard_loader(SeededTransform(src["val"], eval_transform(cfg), seed), cfg, rt)
-    return image_bundle(cfg, rt, (loader, val, sampler, train.classes), False, channels_last)
+    train, val = (SeededTransform(src[s], t(cfg), seed) for s, t in
+                  (("train", train_transform), ("val", eval_transform)))  # fmt: skip
+    loaders = (*sharded_loaders(train, val, cfg, rt, seed, src["train"]), src["train"].classes)
+    return image_bundle(cfg, rt, loaders, False, channels_last)
 
 
 def build_eval(cfg: DataConfig, rt: Runtime, seed: int, channels_last: bool | str) -> EvalData:
