@@ -38,3 +38,21 @@ def write_token_folder(root: Path, train_tokens: int, val_tokens: int, dtype: st
             {"vocab_size": len(chars), "dtype": dtype, "tokenizer": spec,
              "token_bytes": [1] * len(chars)}))  # fmt: skip
     return root
+
+
+def split_into_shards(root, folder, cuts: list[int], llmc: int = -1):
+    """``folder/train/*.bin`` and ``folder/val/*.bin``: the single files of ``root`` cut at
+    ``cuts`` (shard ``llmc`` with llm.c's 1024-byte header), and the same meta.json."""
+    for split in ("train", "val"):
+        ids = np.fromfile(root / f"{split}.bin", dtype=np.uint16)
+        (folder / split).mkdir(parents=True)
+        edges = [0, *[c for c in cuts if c < len(ids)], len(ids)]
+        for k, (a, b) in enumerate(zip(edges, edges[1:], strict=False)):
+            with open(folder / split / f"part-{k:03d}.bin", "wb") as f:
+                if k == llmc:
+                    header = np.zeros(256, dtype="<i4")
+                    header[:3] = [20240520, 1, b - a]
+                    f.write(header.tobytes())
+                f.write(ids[a:b].tobytes())
+    (folder / "meta.json").write_text((root / "meta.json").read_text())
+    return folder

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import compose_config, run_forked
-from lm_data import write_token_folder
+from lm_data import split_into_shards, write_token_folder
 
 from ddp_utils.config import ConfigError, PyStdlibData, TokenData
 from ddp_utils.data import pystdlib
@@ -306,3 +306,33 @@ def test_pairing_mistakes_name_the_recipe():
         compose_config("data=pystdlib")
     with pytest.raises(ConfigError, match="task=language_model needs token data"):
         compose_config("task=language_model")
+
+
+def test_token_shards_read_as_one_stream_give_the_single_files_batches(tmp_path):
+    root = write_token_folder(tmp_path / "one", 2000, 16 * 9 + 1)
+    # Uneven shards, windows across their edges, one with llm.c's header.
+    shards = split_into_shards(root, tmp_path / "many", [7, 700, 701, 1500], llmc=2)
+    one, many = tokens_cfg(root, block_size=16), tokens_cfg(shards, block_size=16)
+    for epoch in (0, 3):
+        want, got = (train_windows(c, seed=5) for c in (one, many))
+        assert len(got) == len(want) == 124
+        index = np.arange(len(want))
+        rows = got.file.windows(got.starts(index, epoch), 17)
+        assert np.array_equal(rows, want.file.windows(want.starts(index, epoch), 17))
+    val = eval_windows(many, "val")
+    assert np.array_equal(val.file.span(0, len(val.file)),
+                          np.fromfile(root / "val.bin", dtype=np.uint16))  # fmt: skip
+
+
+def test_a_bad_id_in_a_token_shard_names_the_shard_and_its_position(tmp_path):
+    root = write_token_folder(tmp_path / "one", 2000, 200)
+    shards = split_into_shards(root, tmp_path / "many", [1000])
+    ids = np.fromfile(shards / "train" / "part-001.bin", dtype=np.uint16)
+    ids[40] = 999
+    ids.tofile(shards / "train" / "part-001.bin")
+    with pytest.raises(ConfigError, match=r"part-001.bin holds token id 999 at position 40"):
+        tokens_cfg(shards, block_size=16)
+    (tmp_path / "empty" / "train").mkdir(parents=True)
+    (tmp_path / "empty" / "meta.json").write_text((root / "meta.json").read_text())
+    with pytest.raises(ConfigError, match=r"no .*/train/\*.bin shards"):
+        tokens_cfg(tmp_path / "empty", block_size=16)

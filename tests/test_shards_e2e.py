@@ -165,3 +165,30 @@ def test_mistakes_are_named_before_training(mistake, store, local_shards, tmp_pa
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert says in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@needs_weed
+def test_token_shards_on_s3_train_as_the_single_local_files(store, tmp_path):
+    """data=tokens from a bucket's train/ and val/ folders of .bin shards (one with llm.c's
+    header): downloaded once to the node and read as one stream, the parameters of the run
+    on the single local train.bin and val.bin."""
+    from lm_data import split_into_shards, write_token_folder
+
+    server, _ = store
+    root = write_token_folder(tmp_path / "one", 2000, 16 * 31 + 1)
+    shards = split_into_shards(root, tmp_path / "many", [500, 1001, 1900], llmc=1)
+    client, bucket = server.client(), server.bucket("tokens")
+    for path in sorted(p for p in shards.rglob("*") if p.is_file()):
+        client.put_object(Bucket="tokens", Key=f"corpus/{path.relative_to(shards)}",
+                          Body=path.read_bytes())  # fmt: skip
+    lm = ("experiment=lm_char", "data=tokens", "data.block_size=16", "data.batch_size=4",
+          "data.eval_batch_size=8", "model.n_layer=1", "model.n_head=2", "model.n_embd=32",
+          "trainer.max_steps=12", "trainer.val_every_steps=6", "sched.warmup_steps=2",
+          "trainer.precision=32", "logger=none")  # fmt: skip
+    run_ranks("train.py", *lm, f"data.root={root}", f"run_dir={tmp_path}/local", nproc=2)
+    cache = tmp_path / "cache"
+    run_ranks("train.py", *lm, f"data.root={bucket}/corpus", f"data.cache_dir={cache}",
+              f"run_dir={tmp_path}/s3", nproc=2, env=server.env())  # fmt: skip
+    assert_same_params(params(tmp_path / "s3"), params(tmp_path / "local"))
+    cached = sorted(p.name.split("-", 1)[1] for p in (cache / "tokens").iterdir() if p.is_file())
+    assert cached == sorted([f"part-{k:03d}.bin" for k in range(4)] + ["part-000.bin"])

@@ -594,7 +594,12 @@ class TokenData(DataConfig):
     )
 
     name: str = "tokens"
+    # A folder or URL (s3://, gs://, https://) holding train.bin and val.bin, or train/ and
+    # val/ folders of .bin shards (read as one stream, by name), and meta.json
     root: str | None = "data"
+    storage_options: dict[str, Any] = field(default_factory=dict)  # fsspec's, for a URL
+    cache_dir: str | None = None  # a URL's files, once per node; null = ~/.cache/ddp-recipes
+    retries: int = 5  # attempts at the store before the run stops (exit code 75)
     batch_size: int = 12
     block_size: int = 64  # context length: windows of block_size + 1 tokens
     eval_batch_size: int | None = None  # validation windows per batch; null = batch_size
@@ -616,6 +621,7 @@ class TokenData(DataConfig):
                 "ROOT/meta.json; set data.root to that folder."
             )
         check_positive("data.block_size", self.block_size)
+        check_positive("data.retries", self.retries)
         check_positive("data.eval_batch_size", self.eval_batch_size)
         check_positive("data.vocab_size", self.vocab_size)
         check_positive("data.check_tokens", self.check_tokens, allow_zero=True)
@@ -656,6 +662,11 @@ class PyStdlibData(TokenData):
         super().check()
         check_choice("data.tokenizer", self.tokenizer, TOKENIZERS)
         check_holdout(self.val_fraction, None)
+        if self.root is not None and "://" in self.root and not self.root.startswith("file:"):
+            raise ConfigError(
+                f"data.root={self.root}: data=pystdlib prepares its files in a local folder; "
+                "give a folder (or null), or train on a URL's files with data=tokens."
+            )
 
     def source_key(self) -> str:
         """What the prepared corpus is made from: a folder holding another is rebuilt."""

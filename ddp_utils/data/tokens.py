@@ -35,10 +35,13 @@ from ddp_utils.data.samplers import (
     ResumableDistributedSampler,
     training_sampler,
 )
+from ddp_utils.data.shards.store import NodeCache, Store, default_cache_dir
 from ddp_utils.dist import Runtime
 
 META = "meta.json"
 DEFAULT_DTYPE = "uint16"  # nanoGPT's
+LLMC_MAGIC, LLMC_HEADER = 20240520, 1024  # llm.c's (and modded-nanogpt's) shard header
+KEEP_ALL = 2**62  # the token cache's size limit: a split is kept whole
 
 
 @dataclass(frozen=True)
@@ -56,45 +59,71 @@ def token_root(cfg: TokenData) -> Path:
     return cfg.folder()
 
 
+def is_url(root: str | None) -> bool:
+    """A root on an object store or web server (read through fsspec), not a local folder."""
+    return root is not None and "://" in root and not root.startswith("file://")
+
+
+def open_store(cfg: TokenData) -> Store:
+    assert is_url(cfg.root)
+    return Store(str(cfg.root), dict(cfg.storage_options), cfg.retries)
+
+
+def where(cfg: TokenData) -> str:
+    """``data.root`` as messages name it (a URL stays a URL)."""
+    return str(cfg.root).rstrip("/") if is_url(cfg.root) else str(token_root(cfg))
+
+
+def read_text(cfg: TokenData, name: str) -> str | None:
+    """A small file of ``data.root`` (``meta.json``, a tokenizer), None if it is not there."""
+    if is_url(cfg.root):
+        store = open_store(cfg)
+        return store.read(name, 0, store.size(name)).decode() if store.exists(name) else None
+    path = token_root(cfg) / name
+    return path.read_text() if path.is_file() else None
+
+
 def read_meta(cfg: TokenData) -> TokenMeta:
     """``meta.json`` of ``data.root`` with ``data.vocab_size`` / ``data.dtype`` on top."""
-    root = token_root(cfg)
-    meta = _read_meta_file(root)
+    root = where(cfg)
+    meta = _read_meta_file(cfg)
     if meta is None:
         if cfg.vocab_size is None:
             pkl = (
                 " Its meta.pkl is never unpickled (a pickle can run code)."
-                if (root / "meta.pkl").exists()
+                if not is_url(cfg.root) and (token_root(cfg) / "meta.pkl").exists()
                 else ""
             )
             raise ConfigError(
                 f"data.root={root} has no {META}.{pkl} Pass the vocabulary size as "
                 "data.vocab_size=N (and data.dtype=uint32 if the ids need 32 bits), or "
-                f'write {root / META} with {{"vocab_size": N, "dtype": "uint16"}}; '
+                f'write {root}/{META} with {{"vocab_size": N, "dtype": "uint16"}}; '
                 "python -m ddp_utils.prepare_text writes one."
             )
         return TokenMeta(cfg.vocab_size, cfg.dtype or DEFAULT_DTYPE)
     vocab = cfg.vocab_size if cfg.vocab_size is not None else meta.vocab_size
     if vocab < meta.vocab_size:
         raise ConfigError(
-            f"data.vocab_size={cfg.vocab_size} is smaller than {root / META}'s vocab_size="
+            f"data.vocab_size={cfg.vocab_size} is smaller than {root}/{META}'s vocab_size="
             f"{meta.vocab_size}: ids up to {meta.vocab_size - 1} would have no embedding. "
             "Drop data.vocab_size, or give one at least that large."
         )
     return replace(meta, vocab_size=vocab, dtype=cfg.dtype or meta.dtype)
 
 
-def _read_meta_file(root: Path) -> TokenMeta | None:
-    path = root / META
-    if not path.is_file():
-        if not root.is_dir():
-            raise ConfigError(
-                f"data.root={root} is not a folder: give the folder that holds train.bin, "
-                "val.bin and meta.json (python -m ddp_utils.prepare_text OUT TEXT... makes one)."
-            )
+def _read_meta_file(cfg: TokenData) -> TokenMeta | None:
+    root = where(cfg)
+    if not is_url(cfg.root) and not token_root(cfg).is_dir():
+        raise ConfigError(
+            f"data.root={root} is not a folder: give the folder that holds train.bin, "
+            "val.bin and meta.json (python -m ddp_utils.prepare_text OUT TEXT... makes one)."
+        )
+    text = read_text(cfg, META)
+    if text is None:
         return None
+    path = f"{root}/{META}"
     try:
-        meta = json.loads(path.read_text())
+        meta = json.loads(text)
         vocab, dtype = int(meta["vocab_size"]), str(meta.get("dtype", DEFAULT_DTYPE))
     except (ValueError, KeyError, TypeError) as e:
         raise ConfigError(
@@ -108,9 +137,35 @@ def _read_meta_file(root: Path) -> TokenMeta | None:
         )
     spec = meta.get("tokenizer")
     if isinstance(spec, dict) and spec.get("kind") == "bpe" and "file" in spec:
-        spec = {"kind": "bpe", "json": (root / spec["file"]).read_text()}
+        spec = {"kind": "bpe", "json": read_text(cfg, spec["file"])}
     token_bytes = meta.get("token_bytes")
     return TokenMeta(vocab, dtype, spec, tuple(token_bytes) if token_bytes else None)
+
+
+def split_files(cfg: TokenData, split: str) -> list[Path]:
+    """The split's token files, read as one stream in this order: ``ROOT/<split>.bin``, else
+    the ``*.bin`` shards of ``ROOT/<split>/`` by name. From a URL each file is downloaded
+    once per node into the node cache (``data.cache_dir``; the windows are drawn from the
+    whole split, so it is all kept)."""
+    if is_url(cfg.root):
+        store = open_store(cfg)
+        single = f"{split}.bin"
+        names = [(single, store.size(single))] if store.exists(single) else \
+            store.listing(split, "bin")  # fmt: skip
+        cache = NodeCache(Path(cfg.cache_dir or default_cache_dir()) / "tokens", KEEP_ALL)
+        return [cache.get(store, name, size) for name, size in names]
+    root = token_root(cfg)
+    if (root / f"{split}.bin").is_file():
+        return [root / f"{split}.bin"]
+    shards = sorted((root / split).glob("*.bin")) if (root / split).is_dir() else []
+    if not shards:
+        raise ConfigError(
+            f"{root / f'{split}.bin'}: no such file, and no {root / split}/*.bin shards. "
+            "data.root needs train.bin and val.bin (flat arrays of token ids), or train/ and "
+            "val/ folders of .bin shards; python -m ddp_utils.prepare_text OUT TEXT... writes "
+            "them."
+        )
+    return shards
 
 
 def resolve(cfg: TokenData, rt: Runtime) -> TokenData:
@@ -127,42 +182,79 @@ def resolve(cfg: TokenData, rt: Runtime) -> TokenData:
     return resolved
 
 
-class TokenFile:
-    """One ``.bin`` file as a memmap: nothing is read until a window is gathered."""
+def llmc_tokens(path: Path, size: int) -> int | None:
+    """The token count of an llm.c shard (a 256 x int32 header: magic 20240520, version 1,
+    the count; then uint16 ids), None for a flat file."""
+    if size < LLMC_HEADER:
+        return None
+    with open(path, "rb") as f:
+        magic, version, count = np.frombuffer(f.read(12), dtype="<i4").tolist()
+    if magic == LLMC_MAGIC and version == 1 and size == LLMC_HEADER + 2 * count:
+        return count
+    return None
 
-    def __init__(self, path: Path, dtype: str, vocab_size: int) -> None:
-        if not path.is_file():
-            raise ConfigError(
-                f"{path}: no such file. data.root needs train.bin and val.bin (flat arrays of "
-                "token ids); python -m ddp_utils.prepare_text OUT TEXT... writes them."
+
+class TokenFile:
+    """A split's token files as one stream, each a memmap: nothing is read until a window is
+    gathered; a window may span two files."""
+
+    def __init__(self, paths: list[Path], dtype: str, vocab_size: int, name: str) -> None:
+        self.path, self.vocab_size = name, vocab_size
+        self.parts: list[np.ndarray] = []
+        self.names = [str(p) for p in paths]
+        for path in paths:
+            size, width = path.stat().st_size, np.dtype(dtype).itemsize
+            count = llmc_tokens(path, size) if dtype == "uint16" else None
+            if count is not None:
+                self.parts.append(np.memmap(path, "uint16", "r", LLMC_HEADER, (count,)))
+                continue
+            if size % width:
+                raise ConfigError(
+                    f"{path} has {size} bytes, not a whole number of {dtype} ids: is "
+                    "data.dtype (or meta.json's dtype) the one it was written with?"
+                )
+            self.parts.append(
+                np.memmap(path, dtype=dtype, mode="r") if size else np.zeros(0, dtype)
             )
-        size, width = path.stat().st_size, np.dtype(dtype).itemsize
-        if size % width:
-            raise ConfigError(
-                f"{path} has {size} bytes, not a whole number of {dtype} ids: is data.dtype "
-                "(or meta.json's dtype) the one it was written with?"
-            )
-        self.path, self.vocab_size = path, vocab_size
-        self.tokens = np.memmap(path, dtype=dtype, mode="r") if size else np.zeros(0, dtype)
+        self.ends = np.cumsum([len(p) for p in self.parts])
+        self.tokens = self.parts[0] if len(self.parts) == 1 else None  # one file: fancy indexing
 
     def __len__(self) -> int:
-        return len(self.tokens)
+        return int(self.ends[-1]) if len(self.ends) else 0
+
+    def span(self, a: int, b: int) -> np.ndarray:
+        """Tokens ``[a, b)`` of the stream."""
+        if self.tokens is not None:
+            return self.tokens[a:b]
+        pieces, k = [], int(np.searchsorted(self.ends, a, side="right"))
+        while a < b:
+            start = int(self.ends[k - 1]) if k else 0
+            take = min(b, int(self.ends[k])) - a
+            pieces.append(self.parts[k][a - start : a - start + take])
+            a, k = a + take, k + 1
+        return np.concatenate(pieces) if len(pieces) != 1 else pieces[0]
+
+    def locate(self, position: int) -> tuple[str, int]:
+        """(file, position within it) of a stream position."""
+        k = int(np.searchsorted(self.ends, position, side="right"))
+        return self.names[k], position - (int(self.ends[k - 1]) if k else 0)
 
     def check_sample(self, limit: int) -> None:
-        """Refuse ids >= vocab_size in up to ``limit`` tokens spread over the file."""
-        n = len(self.tokens)
+        """Refuse ids >= vocab_size in up to ``limit`` tokens spread over the stream."""
+        n = len(self)
         chunks = 16
         step = max(1, limit // chunks)
         starts = [0] if n <= limit else np.linspace(0, n - step, chunks).astype(np.int64)
         for start in starts:
-            part = self.tokens[start : start + (n if n <= limit else step)]
+            part = self.span(int(start), int(start) + (n if n <= limit else step))
             if len(part) and int(part.max()) >= self.vocab_size:
                 at = int(start + np.argmax(part >= self.vocab_size))
-                raise self.bad_id(at, int(self.tokens[at]))
+                raise self.bad_id(at, int(self.span(at, at + 1)[0]))
 
     def bad_id(self, position: int, value: int) -> ConfigError:
+        name, at = self.locate(position)
         return ConfigError(
-            f"{self.path} holds token id {value} at position {position}, but the vocabulary "
+            f"{name} holds token id {value} at position {at}, but the vocabulary "
             f"has {self.vocab_size} ids (data.vocab_size / meta.json's vocab_size). The file "
             "was written with another tokenizer or dtype: prepare it again, or give the right "
             "data.vocab_size and data.dtype."
@@ -171,7 +263,11 @@ class TokenFile:
     def windows(self, starts: np.ndarray, length: int) -> np.ndarray:
         """The windows of ``length`` tokens at ``starts``, as int64, checked against the
         vocabulary on the host (one max per batch: no device sync)."""
-        rows = self.tokens[starts[:, None] + np.arange(length)].astype(np.int64)
+        if self.tokens is not None:
+            rows = self.tokens[starts[:, None] + np.arange(length)].astype(np.int64)
+        else:
+            rows = np.stack([self.span(int(a), int(a) + length) for a in starts]).astype(np.int64) \
+                if len(starts) else np.zeros((0, length), np.int64)  # fmt: skip
         if rows.size and int(rows.max()) >= self.vocab_size:
             r, c = np.argwhere(rows >= self.vocab_size)[0]
             raise self.bad_id(int(starts[r] + c), int(rows[r, c]))
@@ -235,7 +331,10 @@ def epoch_offset(seed: int, block_size: int) -> Callable[[int], int]:
 
 def open_split(cfg: TokenData, split: str) -> TokenFile:
     meta = read_meta(cfg)
-    file = TokenFile(token_root(cfg) / f"{split}.bin", meta.dtype, meta.vocab_size)
+    paths = split_files(cfg, split)
+    name = f"{where(cfg)}/{split}.bin" if paths[0].name == f"{split}.bin" else \
+        f"{where(cfg)}/{split}/ ({len(paths)} shards)"  # fmt: skip
+    file = TokenFile(paths, meta.dtype, meta.vocab_size, name)
     if cfg.check_tokens:
         file.check_sample(cfg.check_tokens)
     return file

@@ -105,15 +105,15 @@ class Store:
     def url(self, name: str) -> str:
         return f"{self.root}/{name}"
 
-    def listing(self, split: str) -> list[tuple[str, int]]:
-        """``(name relative to data.root, bytes)`` of each shard of a split: the ``*.tar`` of
-        the folder ``split``, by name, or the shards a brace pattern names, in its order
-        (``train/shard-{000000..000099}.tar``, ``{a,b}/part-{0..9}.tar``)."""
+    def listing(self, split: str, suffix: str = "tar") -> list[tuple[str, int]]:
+        """``(name relative to data.root, bytes)`` of each shard of a split: the ``*.tar`` (or
+        ``*.<suffix>``) of the folder ``split``, by name, or the shards a brace pattern names,
+        in its order (``train/shard-{000000..000099}.tar``, ``{a,b}/part-{0..9}.tar``)."""
         names = expand_braces(split) if is_pattern(split) else None
         folders = sorted({n.rpartition("/")[0] for n in names}) if names else [split]
         found: dict[str, Any] = {}
         for folder in folders:
-            pattern = f"{self.base.rstrip('/')}/{folder}/*.tar"
+            pattern = f"{self.base.rstrip('/')}/{folder}/*.{suffix}"
             try:
                 glob = lambda p=pattern: self.fs.glob(p, detail=True)  # noqa: E731
                 found |= retrying(f"listing {self.url(folder)}", glob, self.retries)
@@ -122,7 +122,7 @@ class Store:
         start = len(self.base.rstrip("/")) + 1
         sizes = {n[start:]: int(info["size"]) for n, info in found.items()}
         if not sizes:
-            self.refuse_empty(split)
+            self.refuse_empty(split, suffix)
         if names is None:
             return sorted(sizes.items())
         missing = [n for n in names if n not in sizes]
@@ -132,15 +132,25 @@ class Store:
                               "write the missing shards.")  # fmt: skip
         return [(n, sizes[n]) for n in names]
 
-    def refuse_empty(self, split: str) -> None:
-        if not retrying(f"reading {self.root}", lambda: self.fs.exists(self.base), self.retries):
+    def refuse_empty(self, split: str, suffix: str = "tar") -> None:
+        if not self.exists(""):
             raise ConfigError(
                 f"data.root={self.root} does not exist (no such folder, bucket or prefix): "
                 "check its spelling, or write the shards there first."
             )
-        raise ConfigError(f"{self.url(split)}/ holds no *.tar shards: write them with "
-                          f"python -m ddp_utils.shards write --out {self.root} ..., or set "
-                          f"data.root (data.train_dir / data.val_dir).")  # fmt: skip
+        how = (f"write them with python -m ddp_utils.shards write --out {self.root} ...",
+               "python -m ddp_utils.prepare_text writes token files")[suffix == "bin"]  # fmt: skip
+        raise ConfigError(f"{self.url(split)}/ holds no *.{suffix} shards: {how}, or set "
+                          "data.root (data.train_dir / data.val_dir).")  # fmt: skip
+
+    def exists(self, name: str) -> bool:
+        path = f"{self.base.rstrip('/')}/{name}".rstrip("/")
+        return retrying(f"reading {self.url(name)}", lambda: self.fs.exists(path), self.retries)
+
+    def size(self, name: str) -> int:
+        path = f"{self.base.rstrip('/')}/{name}"
+        return retrying(f"reading {self.url(name)}", lambda: int(self.fs.size(path)),
+                        self.retries)  # fmt: skip
 
     def access_error(self, split: str, e: Exception) -> str:
         return (f"cannot list {self.url(split)} ({type(e).__name__}: {e}). Check data.root, the "
