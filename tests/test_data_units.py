@@ -383,3 +383,23 @@ def test_a_family_module_without_its_builders_is_named(monkeypatch):
     monkeypatch.setattr(RampData, "family", "no_such_family_module")
     with pytest.raises(ConfigError, match=r"no_such_family_module could not be imported"):
         build_data(RampData(), RT, seed=0)
+
+
+@pytest.mark.parametrize("size", [(28, 28), (5, 200), (200, 5), (40, 33), (1, 1)])
+def test_the_one_step_crop_and_flip_draws_and_makes_v2s_pixels(size):
+    """``CropFlip`` against v2's RandomResizedCrop + RandomHorizontalFlip: the same images and
+    the same RNG state after (extreme aspect ratios take v2's central fallback crop)."""
+    from torchvision.transforms import v2
+
+    from ddp_utils.data.transforms import CropFlip
+
+    mode = v2.InterpolationMode.BILINEAR
+    ref = v2.Compose([v2.RandomResizedCrop(32, interpolation=mode, antialias=True),
+                      v2.RandomHorizontalFlip()])  # fmt: skip
+    fast = CropFlip(32, mode)
+    for seed in range(200):
+        image = torch.randint(0, 256, (3, *size), dtype=torch.uint8)
+        torch.manual_seed(seed)
+        want, after = ref(image), torch.rand(1)
+        torch.manual_seed(seed)
+        assert torch.equal(fast(image), want) and torch.equal(torch.rand(1), after), seed

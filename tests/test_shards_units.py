@@ -262,3 +262,26 @@ def test_brace_patterns_name_the_shards_in_their_order(tmp_path):
     assert store.listing("a/p-0.tar") == [("a/p-0.tar", 1)]
     with pytest.raises(ConfigError, match="1 shard\\(s\\) of the pattern a/p-\\{0..3\\}.tar"):
         store.listing("a/p-{0..3}.tar")
+
+
+def test_a_decoded_arrays_header_is_read_once_and_its_bytes_as_they_lie():
+    import numpy as np
+
+    from ddp_utils.data.shards import decode_member
+    from ddp_utils.data.shards.tarindex import RAW
+
+    members = []
+    for key, array in (("a", np.arange(3 * 4 * 5, dtype=np.uint8).reshape(3, 4, 5)),
+                       ("b", np.arange(6, dtype=np.uint8).reshape(2, 3)),
+                       ("c", np.zeros((2, 2), dtype=np.int16))):  # fmt: skip
+        buffer = io.BytesIO()
+        np.save(buffer, array)
+        members += [(f"{key}.npy", buffer.getvalue()), (f"{key}.cls", b"1")]
+    data = tar_bytes(members)
+    index = index_shard(io.BytesIO(data), "s.tar", labels(3))
+    assert index["kind"].tolist()[:2] == [RAW, RAW] and index["kind"][2] != RAW  # not uint8
+    for i, shape in ((0, (3, 4, 5)), (1, (1, 2, 3))):
+        start, size = int(index["offset"][i]), int(index["size"][i])
+        image = decode_member(data[start : start + size], RAW, int(index["shape"][i]), shape[0],
+                              "x")  # fmt: skip
+        assert image.shape == shape and image.flatten().tolist() == list(range(size))

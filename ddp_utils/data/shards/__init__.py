@@ -35,13 +35,13 @@ from ddp_utils.data.loaders import eval_shard_loader, sharded_loaders
 from ddp_utils.data.samplers import EpochTagged
 from ddp_utils.data.shards.formats import format_of
 from ddp_utils.data.shards.store import NodeCache, Store, default_cache_dir, is_pattern
-from ddp_utils.data.shards.tarindex import IMAGE_KINDS, index_shard, join
+from ddp_utils.data.shards.tarindex import IMAGE_KINDS, RAW, index_shard, join
 from ddp_utils.data.transforms import SeededTransform, eval_transform, train_transform
 from ddp_utils.dist import Runtime
 
 INDEX_FILE = "index.pt"  # the writer's index of a split, beside its shards
 CLASSES_FILE = "classes.txt"  # class names, one a line, in data.root (optional)
-INDEX_VERSION = 2  # 2: the target member's byte range, the images' sizes
+INDEX_VERSION = 3  # 2: the target member's byte range, the images' sizes; 3: raw arrays
 OPEN_FILES = 16  # shards a reading process keeps open
 
 
@@ -106,7 +106,11 @@ class ShardReader:
         return {**self.__dict__, "files": OrderedDict()}
 
 
-def decode_member(data: bytes, kind: int, channels: int, where: str) -> torch.Tensor:
+def decode_member(data: bytes, kind: int, shape: int, channels: int, where: str) -> torch.Tensor:
+    if kind == RAW:
+        c, h, w = shape >> 40, (shape >> 20) & 0xFFFFF, shape & 0xFFFFF
+        image = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(c, h, w)
+        return match_channels(image, channels, where)
     if IMAGE_KINDS[kind] == "npy":
         image = torch.from_numpy(np.load(io.BytesIO(data), allow_pickle=False))
         return match_channels(to_uint8(image, where), channels, where)
@@ -141,7 +145,8 @@ class ShardSource(Dataset):
         if self.format.reads_target:
             member = self.reader.read(shard, int(ix["target_offset"][i]), int(ix["target_size"][i]))
         try:
-            image = decode_member(data, int(ix["kind"][i]), self.channels, where)
+            image = decode_member(data, int(ix["kind"][i]), int(ix["shape"][i]), self.channels,
+                                  where)  # fmt: skip
         except (RuntimeError, ValueError) as e:
             reason = unreadable_reason(e)
             stop = (f"cannot decode the {where} ({reason}): write the shard again, or set "
