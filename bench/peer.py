@@ -69,12 +69,27 @@ def make_folder(root: Path) -> tuple[Path, str]:
     return root, what
 
 
+def decoded_shards(folder: Path, out: Path) -> Path:
+    """The folder's images as decoded (uint8 array) tar shards, written once."""
+    done = out / ".complete"
+    if not done.is_file():
+        shutil.rmtree(out, ignore_errors=True)
+        subprocess.run([sys.executable, "-m", "ddp_utils.shards", "write", f"--out={out}",
+                        "--samples-per-shard=1000", "--decoded", "data=imagefolder",
+                        f"data.root={folder}", "data.in_channels=3", "data.num_classes=10"],
+                       cwd=ROOT, check=True, capture_output=True)  # fmt: skip
+        done.write_text("")
+    return out
+
+
 def ours_command(
     data: Path, run_dir: Path, a: argparse.Namespace, callbacks: str = ""
 ) -> list[str]:
     """train.py on the job; ``callbacks``: more entries for its callbacks list (the profiler)."""
-    return [*TORCHRUN, str(ROOT / "train.py"), "data=imagefolder", f"data.root={data}",
-            "data.in_channels=3", f"data.image_size={a.crop}", "data.num_classes=10",
+    source = ("data=shards", f"data.root={a.shards}") if a.ours_data == "shards" else \
+        ("data=imagefolder", f"data.root={data}")  # fmt: skip
+    return [*TORCHRUN, str(ROOT / "train.py"), *source, "data.in_channels=3",
+            f"data.image_size={a.crop}", "data.num_classes=10",
             f"data.batch_size={a.batch_size}", f"data.num_workers={a.workers}",
             "model=custom", "model._target_=torchvision.models.resnet18", "+model.num_classes=10",
             "optim=sgd", f"optim.lr={a.lr}", "optim.momentum=0.9", "optim.weight_decay=1e-4",
@@ -194,11 +209,17 @@ def main() -> None:
                    help="one run of each, profiling STEPS steps (torch.profiler, py-spy) into "
                    "--profile-dir; timings then include the profilers' overhead")  # fmt: skip
     p.add_argument("--profile-dir", type=Path, default=RESULTS / "profile")
+    p.add_argument("--ours-data", choices=("folder", "shards"), default="folder",
+                   help="ours reads the image folder, or the same images as decoded tar shards "
+                   "(written once beside it); the reference always reads the folder")  # fmt: skip
     a = p.parse_args()
     if a.profile:
         a.pairs, a.out = 1, a.profile_dir / "peer.json"
         a.profile_dir.mkdir(parents=True, exist_ok=True)
     data, what = make_folder(RESULTS / "peer_folder")
+    if a.ours_data == "shards":
+        a.shards = decoded_shards(data, RESULTS / "peer_shards_decoded")
+        what += "; ours read it as decoded tar shards (python -m ddp_utils.shards write --decoded)"
     runs: dict[str, list[dict]] = {"ours": [], "theirs": []}
     for i in range(a.pairs):
         for kind in ("ours", "theirs"):

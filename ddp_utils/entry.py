@@ -120,15 +120,18 @@ def stop_for_lost_peer(why: str, launcher_acted: bool = False) -> NoReturn:
     adds one line, not the collective's traceback, and exits after it.
 
     ``launcher_acted``: torchrun's stop signal already came, so it has its first failure and
-    waits only for this rank. The exit skips the interpreter's teardown: with a peer gone, the
-    process group's and the loader workers' destructors wait on what can no longer finish
+    waits only for this rank, which then skips the interpreter's teardown: with a peer gone,
+    the process group's and the loader workers' destructors wait on what can no longer finish
     (measured: 2 s of the job's end); the logs are flushed first, and nothing of the run is
-    written at exit (checkpoints are whole files, renamed into place)."""
+    written at exit (checkpoints are whole files, renamed into place). Before that signal,
+    the failing rank may still be on its way out (its own teardown): this one waits, and
+    leaves the usual way, so that the failing rank stays torchrun's first failure."""
     print(f"[rank {read_launch_env().rank}] stopping: {why} (its message says why)",
           file=sys.stderr, flush=True)  # fmt: skip
-    if not launcher_acted:
-        time.sleep(NON_MAIN_EXIT_DELAY_S)  # the failing rank stays torchrun's first failure
-    exit_now(PEER_LOST_EXIT)
+    if launcher_acted:
+        exit_now(PEER_LOST_EXIT)
+    time.sleep(NON_MAIN_EXIT_DELAY_S)
+    sys.exit(PEER_LOST_EXIT)
 
 
 def exit_now(code: int) -> NoReturn:

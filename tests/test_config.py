@@ -192,7 +192,7 @@ def test_each_option_composes_onto_its_own_schema_with_only_its_keys(group, opti
     [
         (["data=synthetic", "data.train_dir=x"],
          "data.train_dir is not a key of data=synthetic: it belongs to data=imagefolder | "
-         "shards | segfolder. Pick"),
+         "shards | segfolder | segshards | detshards. Pick"),
         (["data.root=/data"], "data.root is not a key of data=digits: it belongs to data=mnist |"
          " fashion_mnist | cifar10 | imagefolder"),
         (["data=cifar10", "data.val_fraction=0.1"],

@@ -205,9 +205,10 @@ def test_recipe_transforms_join_the_training_preset_and_stay_seeded():
         mean=[0.5] * 3,
         std=[0.5] * 3,
     )
-    names = [type(t).__name__ for t in train_transform(cfg).transforms]
-    assert names == ["RandomResizedCrop", "RandomHorizontalFlip", "TrivialAugmentWide",
-                     "RandomErasing"]  # fmt: skip
+    steps = train_transform(cfg).transforms
+    assert [type(t).__name__ for t in steps] == ["CropFlip", "TrivialAugmentWide",
+                                                 "RandomErasing"]  # fmt: skip
+    assert steps[0].crop.size == (10, 10)  # RandomResizedCrop(train_crop_size) + flip
     images = torch.arange(8 * 3 * 20 * 20).remainder(256).to(torch.uint8).view(8, 3, 20, 20)
     ds = SeededTransform(list(zip(images, range(8), strict=True)), train_transform(cfg), seed=1)
     assert ds[(2, 3)][0].shape == (3, 10, 10) and torch.equal(ds[(2, 3)][0], ds[(2, 3)][0])

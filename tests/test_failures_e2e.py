@@ -87,7 +87,7 @@ MISTAKES = {
     "model=model_schema": "model=model_schema is not an option",
     "model=model_mlp_schema": "model=model_mlp_schema is not an option",
     "data.train_dir=x": "data.train_dir is not a key of data=digits: it belongs to "
-    "data=imagefolder | shards | segfolder. Pick that option",
+    "data=imagefolder | shards | segfolder | segshards | detshards. Pick that option",
     "run_dir=FILE/run": "cannot be created or written (Not a directory)",
 }
 
