@@ -662,7 +662,7 @@ class PyStdlibData(TokenData):
         super().check()
         check_choice("data.tokenizer", self.tokenizer, TOKENIZERS)
         check_holdout(self.val_fraction, None)
-        if self.root is not None and "://" in self.root and not self.root.startswith("file:"):
+        if is_url(self.root):
             raise ConfigError(
                 f"data.root={self.root}: data=pystdlib prepares its files in a local folder; "
                 "give a folder (or null), or train on a URL's files with data=tokens."
@@ -680,6 +680,11 @@ class PyStdlibData(TokenData):
             return Path(self.root)
         cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
         return cache / "ddp-recipes" / "pystdlib" / self.source_key()
+
+
+def is_url(root: str | None) -> bool:
+    """A ``data.root`` on an object store or web server (read through fsspec), not a folder."""
+    return root is not None and "://" in root and not root.startswith("file://")
 
 
 DATA_OPTIONS: dict[str, type[DataConfig]] = {

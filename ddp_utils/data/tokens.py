@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils.data import Sampler
 
 from ddp_utils.config import ConfigError, TokenData
-from ddp_utils.config.data import TOKEN_DTYPES
+from ddp_utils.config.data import TOKEN_DTYPES, is_url
 from ddp_utils.data.bundle import DataBundle, EvalData, Unit
 from ddp_utils.data.samplers import (
     IGNORE_LABEL,
@@ -57,11 +57,6 @@ class TokenMeta:
 def token_root(cfg: TokenData) -> Path:
     """``data.root``; for data=pystdlib without one, its folder in the per-user data cache."""
     return cfg.folder()
-
-
-def is_url(root: str | None) -> bool:
-    """A root on an object store or web server (read through fsspec), not a local folder."""
-    return root is not None and "://" in root and not root.startswith("file://")
 
 
 def open_store(cfg: TokenData) -> Store:

@@ -157,10 +157,13 @@ class BoxFormat:
         self, index: dict[str, Any], i: int, data: bytes | None, where: str
     ) -> dict[str, Any]:
         assert data is not None
-        boxes, labels, crowd = self.parse(data, f"the boxes of {where}")
+        from ddp_utils.data.detection.boxes import check_xyxy
+
+        shown = f"the boxes of {where}"
+        boxes, labels, crowd = self.parse(data, shown)
         size = (int(index["height"][i]), int(index["width"][i]))
-        w, h = float(size[1]), float(size[0])
-        clipped = [[max(b[0], 0.0), max(b[1], 0.0), min(b[2], w), min(b[3], h)] for b in boxes]
+        clipped = [check_xyxy(b, size[1], size[0], Path(shown), f"box {n}", b)
+                   for n, b in enumerate(boxes)]  # fmt: skip
         return {
             "boxes": tv_tensors.BoundingBoxes(torch.tensor(clipped, dtype=torch.float32)
                                               .reshape(-1, 4), format="XYXY", canvas_size=size),
