@@ -93,7 +93,7 @@ def ours_command(
             f"data.batch_size={a.batch_size}", f"data.num_workers={a.workers}",
             "model=custom", "model._target_=torchvision.models.resnet18", "+model.num_classes=10",
             "optim=sgd", f"optim.lr={a.lr}", "optim.momentum=0.9", "optim.weight_decay=1e-4",
-            "sched=cosine", f"trainer.epochs={a.epochs}", "trainer.precision=32",
+            "sched=cosine", f"trainer.epochs={a.epochs}", f"trainer.precision={a.precision}",
             "trainer.progress=false", f"run_dir={run_dir}",
             f"callbacks=[{{_target_: peer_timing.Timing}}{callbacks}]", *ours_device()]  # fmt: skip
 
@@ -212,6 +212,9 @@ def main() -> None:
     p.add_argument("--ours-data", choices=("folder", "shards"), default="folder",
                    help="ours reads the image folder, or the same images as decoded tar shards "
                    "(written once beside it); the reference always reads the folder")  # fmt: skip
+    p.add_argument("--precision", default="32",
+                   help="ours' trainer.precision: 32 (the reference's only one on a CPU: its "
+                   "--amp is CUDA's), auto (ours' default) or bf16")  # fmt: skip
     a = p.parse_args()
     if a.profile:
         a.pairs, a.out = 1, a.profile_dir / "peer.json"
@@ -231,7 +234,8 @@ def main() -> None:
     ours, theirs = medians(runs["ours"]), medians(runs["theirs"])
     print(f"\n{a.pairs} pairs of {a.epochs}-epoch runs, resnet18, {a.crop} px crops, batch "
           f"{a.batch_size} per process, {a.workers} worker per process, world size 2 (gloo), "
-          f"fp32; data: {what}; machine: {machine()}\n")  # fmt: skip
+          f"ours at trainer.precision={a.precision}, theirs fp32; data: {what}; "
+          f"machine: {machine()}\n")  # fmt: skip
     print(table(ours, theirs))
     if a.profile and (a.profile_dir / "ours_py_spy.txt").is_file():
         print(f"\nprofiles in {a.profile_dir} (torch.profiler tables: *_torch_profiler.txt)\n")

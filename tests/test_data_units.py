@@ -404,3 +404,31 @@ def test_the_one_step_crop_and_flip_draws_and_makes_v2s_pixels(size):
         want, after = ref(image), torch.rand(1)
         torch.manual_seed(seed)
         assert torch.equal(fast(image), want) and torch.equal(torch.rand(1), after), seed
+
+
+@pytest.mark.parametrize("size", [(28, 28), (5, 200), (40, 33), (32, 32), (300, 260)])
+@pytest.mark.parametrize("channels", [1, 3])
+def test_the_seeded_crop_and_flip_is_v2s_crop_at_the_seeds_draws(size, channels):
+    """``CropFlip.seeded``: the box ``crop_box`` draws from ``random.Random(seed)``, resized
+    by v2's kernel (pixel for pixel), flipped on the seed's next draw; torch's generator is
+    left alone, and the sample's seed alone decides."""
+    from torchvision.transforms import v2
+    from torchvision.transforms.v2 import functional as F
+
+    from ddp_utils.data.transforms import CropFlip, SeedDraws
+
+    fast = CropFlip(32, v2.InterpolationMode.BILINEAR)
+    images = torch.randint(0, 256, (100, channels, *size), dtype=torch.uint8)
+    before = torch.random.get_rng_state()
+    boxes = set()
+    for seed, image in enumerate(images):
+        draws = SeedDraws(seed)
+        top, left, h, w = fast.crop_box(*size, draws)
+        want = F.resized_crop_image(image, top, left, h, w, [32, 32], antialias=True)
+        if draws.random() < 0.5:
+            want = F.horizontal_flip_image(want)
+        got = fast.seeded(image, seed)
+        assert torch.equal(got, want) and torch.equal(fast.seeded(image, seed), got), seed
+        boxes.add((top, left, h, w))
+    assert torch.equal(torch.random.get_rng_state(), before)
+    assert len(boxes) > 50 or min(size) < 10  # the seeds draw different crops (5 x 200: central)

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import hashlib
 import math
+import random
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.utils.data import Dataset
@@ -56,40 +57,65 @@ def auto_augment(cfg: DataConfig) -> list[v2.Transform]:
 
 
 class CropFlip(v2.Transform):
-    """``RandomResizedCrop(size)`` then ``RandomHorizontalFlip()`` as v2 runs them (the same
-    random draws in the same order, the same kernels: identical pixels), in one step. A plain
-    image tensor skips v2's per-transform machinery, which was 60% of a sample's time in a
-    worker on small images (``make bench-shards``); any other input goes through v2."""
+    """``RandomResizedCrop(size)`` then ``RandomHorizontalFlip()`` in one step.
+
+    Called as a v2 transform it makes v2's pixels from v2's draws (the same random numbers in
+    the same order, the same kernels). ``seeded(image, seed)`` is the per-sample path
+    ``SeededTransform`` takes: the same crop arithmetic and kernel, with the draws taken from
+    ``random.Random(seed)``, so it needs neither torch's global generator nor ``fork_rng``.
+    v2's per-transform machinery and torch's one-number draws were most of a sample's time
+    in a worker on small images (``make bench-shards``)."""
 
     def __init__(self, size: int, interpolation: v2.InterpolationMode) -> None:
         super().__init__()
         self.crop = v2.RandomResizedCrop(size, interpolation=interpolation, antialias=True)
         self.flip = v2.RandomHorizontalFlip()
+        # Plain floats: v2 keeps the log-ratio as tensors, and arithmetic on them cost more
+        # than the rest of a draw. uniform_ takes these very values.
+        self.scale = tuple(float(v) for v in self.crop.scale)
+        self.log_ratio = tuple(float(v) for v in self.crop._log_ratio)
+        self.native = native_uint8_resize(interpolation)
 
     def forward(self, *inputs: Any) -> Any:
         if len(inputs) == 1 and type(inputs[0]) is torch.Tensor:
-            return self.fast(inputs[0])
+            return self.apply(inputs[0], TorchDraws())
         return self.flip(self.crop(*inputs))
 
-    def fast(self, image: torch.Tensor) -> torch.Tensor:
-        top, left, h, w = self.crop_box(image.shape[-2], image.shape[-1])
-        c = self.crop
-        out = F.resized_crop_image(image, top, left, h, w, c.size, c.interpolation, True)
-        return F.horizontal_flip_image(out) if torch.rand(1) < self.flip.p else out
+    def seeded(self, image: torch.Tensor, seed: int) -> torch.Tensor:
+        return self.apply(image, SeedDraws(seed))
 
-    def crop_box(self, height: int, width: int) -> tuple[int, int, int, int]:
+    def apply(self, image: torch.Tensor, draws: Draws) -> torch.Tensor:
+        top, left, h, w = self.crop_box(image.shape[-2], image.shape[-1], draws)
+        out = self.resized_crop(image, top, left, h, w)
+        return F.horizontal_flip_image(out) if draws.random() < self.flip.p else out
+
+    def resized_crop(
+        self, image: torch.Tensor, top: int, left: int, h: int, w: int
+    ) -> torch.Tensor:
+        """v2's ``resized_crop_image`` for a crop inside the image; a uint8 CHW image on the CPU
+        goes straight to the call v2 ends in, whose checks cost as much as the resize."""
+        c = self.crop
+        if not (self.native and image.dtype == torch.uint8 and image.ndim == 3
+                and image.device.type == "cpu"):  # fmt: skip
+            return F.resized_crop_image(image, top, left, h, w, c.size, c.interpolation, True)
+        crop = image[:, top : top + h, left : left + w]
+        if [h, w] == c.size:
+            return crop
+        return torch.nn.functional.interpolate(
+            crop[None], size=c.size, mode=c.interpolation.value, align_corners=False,
+            antialias=True,
+        )[0]  # fmt: skip
+
+    def crop_box(self, height: int, width: int, draws: Draws) -> tuple[int, int, int, int]:
         """``RandomResizedCrop.make_params``' draws and arithmetic, line for line."""
-        area, (scale, ratio, log_ratio) = height * width, (self.crop.scale, self.crop.ratio,
-                                                           self.crop._log_ratio)  # fmt: skip
+        area, scale, ratio, log_ratio = height * width, self.scale, self.crop.ratio, self.log_ratio
         for _ in range(10):
-            target_area = area * torch.empty(1).uniform_(scale[0], scale[1]).item()
-            aspect = torch.exp(torch.empty(1).uniform_(log_ratio[0], log_ratio[1])).item()
+            target_area = area * draws.uniform(scale[0], scale[1])
+            aspect = draws.exp_uniform(log_ratio[0], log_ratio[1])
             w = int(round(math.sqrt(target_area * aspect)))
             h = int(round(math.sqrt(target_area / aspect)))
             if 0 < w <= width and 0 < h <= height:
-                top = int(torch.randint(0, height - h + 1, size=(1,)).item())
-                left = int(torch.randint(0, width - w + 1, size=(1,)).item())
-                return top, left, h, w
+                return draws.randint(0, height - h), draws.randint(0, width - w), h, w
         in_ratio = float(width) / float(height)
         if in_ratio < min(ratio):
             w, h = width, int(round(width / min(ratio)))
@@ -98,6 +124,48 @@ class CropFlip(v2.Transform):
         else:
             w, h = width, height
         return (height - h) // 2, (width - w) // 2, h, w
+
+
+def native_uint8_resize(interpolation: v2.InterpolationMode) -> bool:
+    """Whether v2 resizes a uint8 image on the CPU with interpolate's uint8 kernel (as it
+    decides; no shortcut where torchvision does not say)."""
+    try:
+        from torchvision.transforms.v2.functional._geometry import _do_native_uint8_resize_on_cpu
+    except ImportError:
+        return False
+    return _do_native_uint8_resize_on_cpu(interpolation)
+
+
+class Draws(Protocol):
+    """Where ``CropFlip`` takes its random numbers from."""
+
+    def uniform(self, a: float, b: float) -> float: ...
+    def exp_uniform(self, a: float, b: float) -> float: ...
+    def randint(self, a: int, b: int) -> int: ...  # a <= n <= b
+    def random(self) -> float: ...
+
+
+class TorchDraws:
+    """torch's global generator, drawn as v2's transforms draw from it."""
+
+    def uniform(self, a: float, b: float) -> float:
+        return torch.empty(1).uniform_(a, b).item()
+
+    def exp_uniform(self, a: float, b: float) -> float:
+        return torch.exp(torch.empty(1).uniform_(a, b)).item()
+
+    def randint(self, a: int, b: int) -> int:
+        return int(torch.randint(a, b + 1, size=(1,)).item())
+
+    def random(self) -> float:
+        return torch.rand(1).item()
+
+
+class SeedDraws(random.Random):
+    """A sample's own stream: Python's generator, seeded with the sample's seed."""
+
+    def exp_uniform(self, a: float, b: float) -> float:
+        return math.exp(self.uniform(a, b))
 
 
 def train_transform(cfg: DataConfig) -> v2.Transform:
@@ -112,7 +180,7 @@ def train_transform(cfg: DataConfig) -> v2.Transform:
     steps += auto_augment(cfg)
     if cfg.random_erase > 0:
         steps.append(v2.RandomErasing(p=cfg.random_erase))
-    return v2.Compose(steps)
+    return steps[0] if len(steps) == 1 else v2.Compose(steps)
 
 
 def sample_seed(seed: int, epoch: int, index: int) -> int:
@@ -126,7 +194,8 @@ class SeededTransform(Dataset):
 
     A key is an index, or ``(epoch, index)`` from ``EpochTagged``; a negative index is a
     sampler's padding duplicate (its label is ignored). The transform runs under
-    ``fork_rng`` with the sample's own seed, so the caller's RNG streams are left as they were.
+    ``fork_rng`` with the sample's own seed, so the caller's RNG streams are left as they were;
+    a transform with a ``seeded(image, seed)`` method (``CropFlip``) is given the seed instead.
     """
 
     def __init__(self, source: Dataset, transform: Callable[[Any], Any], seed: int) -> None:
@@ -140,11 +209,16 @@ class SeededTransform(Dataset):
         real = index >= 0
         index = index if real else ~index
         image, target = self.source[index]
-        with torch.random.fork_rng(devices=[]):
-            # The CPU generator alone: torch.manual_seed would also queue a seed for every
-            # CUDA device, at a cost of milliseconds per sample.
-            torch.default_generator.manual_seed(sample_seed(self.seed, epoch, index))
-            image, target = self.apply(image, target)
+        seed = sample_seed(self.seed, epoch, index)
+        seeded = getattr(self.transform, "seeded", None)
+        if seeded is not None and not isinstance(target, Mapping):
+            image = seeded(image, seed)  # it draws from the seed alone: no generator to guard
+        else:
+            with torch.random.fork_rng(devices=[]):
+                # The CPU generator alone: torch.manual_seed would also queue a seed for every
+                # CUDA device, at a cost of milliseconds per sample.
+                torch.default_generator.manual_seed(seed)
+                image, target = self.apply(image, target)
         return image, target if real else self.ignored(target)
 
     def apply(self, image: torch.Tensor, target: Any) -> tuple[torch.Tensor, Any]:
