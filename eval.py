@@ -16,6 +16,7 @@ from ddp_utils.dist import shutdown
 from ddp_utils.entry import (
     clean_exit,
     implied_options,
+    leave,
     register,
     user_errors,
     with_checkpoint_options,
@@ -41,3 +42,4 @@ def main(cfg: DictConfig) -> float:
 
 if __name__ == "__main__":
     main()
+    leave()  # finished: exit without the interpreter's teardown

@@ -12,7 +12,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from ddp_utils.config import GenerateConfig
-from ddp_utils.entry import clean_exit, register, user_errors
+from ddp_utils.entry import clean_exit, leave, register, user_errors
 
 register()
 
@@ -36,3 +36,4 @@ def main(cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     main()
+    leave()  # finished: exit without the interpreter's teardown

@@ -22,7 +22,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from ddp_utils.config import to_schema
 from ddp_utils.dist import init_distributed, shutdown
-from ddp_utils.entry import clean_exit, register, user_errors
+from ddp_utils.entry import clean_exit, leave, register, user_errors
 from ddp_utils.sweep import in_sweep, sweep_job_dir
 
 register()
@@ -49,3 +49,4 @@ def main(cfg: DictConfig) -> float:
 
 if __name__ == "__main__":
     main()
+    leave()  # finished: exit without the interpreter's teardown
