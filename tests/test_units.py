@@ -506,3 +506,28 @@ def test_a_stop_signal_outside_the_loop_names_what_happened(steps, code, says, c
         _signal_inside(list(steps))
     assert exit_.value.code == code
     assert says in capsys.readouterr().err
+
+
+def test_leave_joins_threads_runs_atexit_handlers_and_exits_0(tmp_path):
+    """A finished script's exit skips the module teardown, not what the teardown would run:
+    a non-daemon thread still working, an atexit handler, and logs and prints still buffered."""
+    from conftest import ROOT
+
+    script = f"""
+import atexit, logging, pathlib, sys, threading, time
+sys.path.insert(0, {str(ROOT)!r})
+from ddp_utils.entry import leave
+out = pathlib.Path({str(tmp_path)!r})
+logging.basicConfig(filename=out / "log.txt", level=logging.INFO)
+threading.Thread(target=lambda: (time.sleep(0.5), (out / "thread").write_text("done"))).start()
+atexit.register(lambda: (out / "atexit").write_text("done"))
+logging.info("logged")
+print("printed", end="")
+leave()
+print("never")
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert proc.returncode == 0 and proc.stdout == "printed", proc.stderr
+    assert (tmp_path / "thread").read_text() == "done" == (tmp_path / "atexit").read_text()
+    assert "logged" in (tmp_path / "log.txt").read_text()
