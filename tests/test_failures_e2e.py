@@ -13,6 +13,7 @@ import time
 
 import pytest
 import torch
+from callbacks import slow
 from conftest import (
     ROOT,
     child_env,
@@ -39,8 +40,10 @@ def strict_json_lines(path):
 
 def test_one_job_per_run_dir_and_a_killed_holder_does_not_block(tmp_path):
     run = tmp_path / "run"
-    first = start_script("train.py", *RUN, f"run_dir={run}")
-    second = start_script("train.py", *RUN, f"run_dir={run}")  # the double submit
+    # 0.05 s a step (14 s for the run): the holder is still training when the other launch,
+    # slowed by a loaded machine's imports, reaches the lock.
+    first = start_script("train.py", *RUN, slow(0.05), f"run_dir={run}")
+    second = start_script("train.py", *RUN, slow(0.05), f"run_dir={run}")  # the double submit
     started = time.time()
     # One of the two gets the lock; the other is refused within seconds, before it writes.
     while first.poll() is None and second.poll() is None:

@@ -81,7 +81,11 @@ class DataConfig:
                                            "mean", "std")  # fmt: skip
 
     name: str = "digits"  # the option's name: digits | mnist | imagefolder | ...
-    batch_size: int = 100  # per process
+    batch_size: int = 100  # per process (with global_batch_size: the most a process takes)
+    # The samples of one optimizer step over all processes. Set, it is the recipe's unit: the
+    # per-process batch and trainer.grad_accum_steps follow from it and the world size, and
+    # each step trains on the same samples at any world size. null: batch_size x processes.
+    global_batch_size: int | None = None
     # DataLoader worker processes per rank; null = the node's cores / local ranks, less one.
     num_workers: int | None = None
     prefetch_factor: int = 2  # batches each worker prepares ahead
@@ -111,7 +115,8 @@ class DataConfig:
         """Value ranges the types cannot express; ConfigError naming the key."""
         check_choice("data.split", self.split, SPLITS)
         check_choice("data.loader", self.loader, LOADERS)
-        for key in ("batch_size", "in_channels", "image_size", "num_classes"):
+        for key in ("batch_size", "global_batch_size", "in_channels", "image_size",
+                    "num_classes"):  # fmt: skip
             check_positive(f"data.{key}", getattr(self, key))
         if self.num_classes is None and not self.counts_classes:
             raise ConfigError(

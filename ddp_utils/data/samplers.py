@@ -153,7 +153,10 @@ def training_sampler(
 ) -> ResumableDistributedSampler:
     """The training sampler of ``length`` samples for ``data=...`` on this rank; ``order(seed,
     epoch)``: the data's own epoch permutation (else ``randperm``)."""
-    drop = cfg.batch_size if cfg.drop_last else None
+    # Epochs end at a whole optimizer step's samples on every rank: with a global batch,
+    # at a multiple of it, so an epoch has the same steps at any world size.
+    per_step = cfg.global_batch_size // rt.world_size if cfg.global_batch_size else cfg.batch_size
+    drop = per_step if cfg.drop_last else None
     return ResumableDistributedSampler(length, rt.world_size, rt.rank, seed=seed,
                                        drop_last_of=drop, order=order)  # fmt: skip
 

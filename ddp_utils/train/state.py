@@ -43,15 +43,44 @@ def check_runtime(cfg: TrainerConfig, rt: Runtime) -> None:
 
 
 def resolve_auto(cfg: TrainConfig, rt: Runtime) -> TrainConfig:
-    """The config with ``trainer.precision=auto`` replaced by what this device runs, so the log,
-    config.yaml and checkpoints say what was chosen."""
+    """The config with ``trainer.precision=auto`` replaced by what this device runs, and a
+    ``data.global_batch_size`` split into this world size's per-process batch and
+    accumulation steps, so the log, config.yaml and checkpoints say what was chosen."""
     t = cfg.trainer
     precision = resolve_precision(t.precision, rt.device, cfg.model)
     channels_last = t.channels_last
     if channels_last == "auto":
         channels_last = "true" if rt.device.type == "cuda" else "false"
     trainer = dataclasses.replace(t, precision=precision, channels_last=channels_last)
-    return dataclasses.replace(cfg, trainer=trainer)
+    data = cfg.data
+    if data.global_batch_size is not None:
+        if t.grad_accum_steps != 1:
+            raise ConfigError(
+                f"data.global_batch_size={data.global_batch_size} sets the accumulation steps "
+                f"itself: drop trainer.grad_accum_steps={t.grad_accum_steps}, or drop "
+                "data.global_batch_size and set data.batch_size."
+            )
+        batch, accum = split_global_batch(data.global_batch_size, rt.world_size, data.batch_size)
+        data = dataclasses.replace(data, batch_size=batch)
+        trainer = dataclasses.replace(trainer, grad_accum_steps=accum)
+    return dataclasses.replace(cfg, trainer=trainer, data=data)
+
+
+def split_global_batch(global_batch: int, world_size: int, cap: int) -> tuple[int, int]:
+    """(per-process batch, accumulation steps) that make ``global_batch`` at ``world_size``:
+    the fewest accumulation steps whose per-process batch is at most ``cap`` (one always
+    exists when the world size divides the global batch)."""
+    for accum in range(1, global_batch // world_size + 1):
+        batch, rest = divmod(global_batch, world_size * accum)
+        if rest == 0 and batch <= cap:
+            return batch, accum
+    below = global_batch // world_size * world_size
+    nearest = " or ".join(str(n) for n in (below, below + world_size) if n > 0)
+    raise ConfigError(
+        f"data.global_batch_size={global_batch} cannot be split over {world_size} processes: "
+        f"it must be a multiple of the world size (each process takes an equal share). Set "
+        f"data.global_batch_size={nearest}, or launch a world size that divides it."
+    )
 
 
 @dataclass
