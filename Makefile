@@ -70,7 +70,7 @@ bench-profile: $(STAMP)  ## one run of each side under torch.profiler and py-spy
 bench-det: $(STAMP)  ## detection: images/s of experiment=digits_detection vs a loop written as torchvision's detection reference writes it (~5 min)
 	$(BIN)/python bench/bench_det.py $(ARGS)
 
-bench-memory: $(STAMP)  ## memory a rank: ddp vs fsdp2 (and activation checkpointing) at world size 2 on the GPT recipes (~10 min)
+bench-memory: $(STAMP)  ## memory a rank: ddp vs fsdp2 (and activation checkpointing) at world size 2, and ddp, fsdp2, HSDP 2x2 at 4, on the GPT recipes (~20 min)
 	$(BIN)/python bench/bench_memory.py $(ARGS)
 
 bench-comm: $(STAMP)  ## DDP's gradient compression hooks (trainer.ddp.comm_hook): bytes a step and tokens/s on lm_char (~4 min)

@@ -28,7 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def ours(world_size: int, extra: list[str], steps: int, every: int, tmp: Path) -> float:
     run = tmp / f"run_{world_size}_{len(list(tmp.glob('run_*')))}"
-    torchrun(world_size, "train.py", "experiment=digits_detection", f"trainer.max_steps={steps}",
+    torchrun(world_size, "train.py", "experiment=digits_detection", "data.global_batch_size=null",
+             f"trainer.max_steps={steps}",
              f"trainer.val_every_steps={every}", f"run_dir={run}", "logger=none",
              "trainer.progress=false", *extra)  # fmt: skip
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]

@@ -60,6 +60,7 @@ def corpus(tmp: Path, val_windows: int) -> tuple[Path, int]:
 def ours(world_size: int, root: Path, extra: list[str], steps: int, every: int, tmp: Path) -> float:
     run = tmp / f"run_{world_size}_{len(list(tmp.glob('run_*')))}"
     torchrun(world_size, "train.py", "experiment=lm_char", "data=tokens", f"data.root={root}",
+             "data.global_batch_size=null",
              f"trainer.max_steps={steps}", f"trainer.val_every_steps={every}", f"run_dir={run}",
              "logger=none", "trainer.progress=false", *extra)  # fmt: skip
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]

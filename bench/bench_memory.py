@@ -1,9 +1,10 @@
 """The memory benchmark: `make bench-memory`.
 
-Per rank at world size 2: the bytes of parameters + gradients + optimizer state (AdamW: two
-moments) that the rank holds, its peak memory (resident on a CPU, allocated on a GPU:
-DEVICE=cuda), and the median step time, for
-trainer.strategy=ddp against fsdp2, each also with trainer.activation_checkpointing, on the
+Per rank: the bytes of parameters + gradients + optimizer state (AdamW: two moments) that the
+rank holds, its peak memory (resident on a CPU, allocated on a GPU: DEVICE=cuda), and the
+median step time, for trainer.strategy=ddp against fsdp2 at world size 2, each also with
+trainer.activation_checkpointing, and at world size 4 ddp, fsdp2 and HSDP on a 2x2 mesh
+(trainer.fsdp.replicate=2: shards over 2 ranks, 2 replicas), on the
 GPT recipes: experiment=lm_char (its shape, on random tokens) and experiment=gpt2_124m's
 12 x 768 GPT (124M parameters) for a few steps, one window a step, of 128 tokens and of its
 full 1024 (where the activations weigh; on a CPU its batch of 12 windows would take minutes a
@@ -25,7 +26,8 @@ from bench_lm import torchrun
 from bench import save_rows
 
 ROOT = Path(__file__).resolve().parents[1]
-GPT2 = ["experiment=gpt2_124m", "data.batch_size=1", "data.eval_batch_size=1",
+GPT2 = ["experiment=gpt2_124m", "data.batch_size=1", "data.global_batch_size=null",
+        "data.eval_batch_size=1",
         "trainer.grad_accum_steps=1"]  # fmt: skip
 # recipe -> (its vocabulary, its overrides)
 RECIPES = {
@@ -33,11 +35,15 @@ RECIPES = {
     "gpt2_124m": (50304, [*GPT2, "data.block_size=128", "trainer.max_steps=4"]),
     "gpt2_124m x 1024": (50304, [*GPT2, "data.block_size=1024", "trainer.max_steps=3"]),
 }
+# variant -> (world size, its overrides); each is compared with ddp at its world size
 VARIANTS = {
-    "ddp": ["trainer.strategy=ddp"],
-    "fsdp2": ["trainer.strategy=fsdp2"],
-    "ddp + AC": ["trainer.strategy=ddp", "trainer.activation_checkpointing=true"],
-    "fsdp2 + AC": ["trainer.strategy=fsdp2", "trainer.activation_checkpointing=true"],
+    "ddp": (2, ["trainer.strategy=ddp"]),
+    "fsdp2": (2, ["trainer.strategy=fsdp2"]),
+    "ddp + AC": (2, ["trainer.strategy=ddp", "trainer.activation_checkpointing=true"]),
+    "fsdp2 + AC": (2, ["trainer.strategy=fsdp2", "trainer.activation_checkpointing=true"]),
+    "ddp, 4 ranks": (4, ["trainer.strategy=ddp"]),
+    "fsdp2, 4 ranks": (4, ["trainer.strategy=fsdp2"]),
+    "hsdp 2x2, 4 ranks": (4, ["trainer.strategy=fsdp2", "trainer.fsdp.replicate=2"]),
 }
 
 
@@ -55,17 +61,18 @@ def measure(recipe: str, variant: str, tmp: Path) -> dict:
     probe = tmp / "probe" / run.name
     os.environ["PYTHONPATH"] = f"{ROOT / 'bench'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
     vocab, overrides = RECIPES[recipe]
+    world, strategy = VARIANTS[variant]
     data = token_folder(tmp / f"tokens{vocab}", vocab)
-    torchrun(2, "train.py", *overrides, *VARIANTS[variant], "data=tokens",
+    torchrun(world, "train.py", *overrides, *strategy, "data=tokens",
              f"data.root={data}", f"data.vocab_size={vocab}", "trainer.precision=32",
              "trainer.compile=false", "trainer.val_every_steps=1000000", "logger=none",
              "trainer.progress=false", f"run_dir={run}",
              f"callbacks=[{{_target_:memory_probe.MemoryProbe,folder:{probe}}}]")  # fmt: skip
-    ranks = [json.loads((probe / f"rank{r}.json").read_text()) for r in (0, 1)]
+    ranks = [json.loads((probe / f"rank{r}.json").read_text()) for r in range(world)]
     state = max(sum(r["state_bytes"].values()) for r in ranks)
     peaks = [r["peak_bytes"] / 2**20 for r in ranks]
-    return {"state_MiB": state / 2**20, "peak_MiB": max(peaks), "peak_rank_MiB": peaks,
-            "peak_kind": ranks[0]["peak_kind"],
+    return {"world_size": world, "state_MiB": state / 2**20, "peak_MiB": max(peaks),
+            "peak_rank_MiB": peaks, "peak_kind": ranks[0]["peak_kind"],
             "step_s": statistics.median(r["step_s"] for r in ranks)}  # fmt: skip
 
 
@@ -83,11 +90,13 @@ def main() -> None:
                              **measure(recipe, variant, Path(t))})  # fmt: skip
                 print(rows[-1], flush=True)
     header = ("| recipe | strategy | params + grads + optimizer a rank (MiB) | x ddp | "
-              f"peak {rows[0]['peak_kind']} rank 0 / rank 1 (MiB) | step (s) |\n"
+              f"peak {rows[0]['peak_kind']} of each rank (MiB) | step (s) |\n"
               "| --- | --- | --- | --- | --- | --- |")  # fmt: skip
     save_rows(args.out, rows, header)
     for r in rows:
-        base = next(b for b in rows if b["recipe"] == r["recipe"] and b["strategy"] == "ddp")
+        base = next((b for b in rows if b["recipe"] == r["recipe"] and b["world_size"] ==
+                     r["world_size"] and b["strategy"].startswith("ddp") and "AC" not in
+                     b["strategy"]), r)  # fmt: skip
         print(
             f"| {r['recipe']} | {r['strategy']} | {r['state_MiB']:,.1f} | "
             f"{r['state_MiB'] / base['state_MiB']:.2f} | "

@@ -112,8 +112,9 @@ def main() -> None:
         for i in range(args.pairs):
             run = tmp / f"ours{i}"
             ours = [sys.executable, str(ROOT / "train.py"), "experiment=lm_char", "data=tokens",
-                    f"data.root={prepared}", f"run_dir={run}", "logger=none",
-                    "trainer.progress=false", *ours_device(), *args.ours_args]  # fmt: skip
+                    "data.global_batch_size=null", f"data.root={prepared}", f"run_dir={run}",
+                    "logger=none", "trainer.progress=false", *ours_device(),
+                    *args.ours_args]  # fmt: skip
             walls["train.py"].append(timed(ours, ROOT, env))
             last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
             losses["train.py"].append(last["val/loss"])

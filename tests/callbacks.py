@@ -177,6 +177,22 @@ def slow(step_s: float) -> str:
     return f"callbacks=[{{_target_:tests.callbacks.Slow,step_s:{step_s}}}]"
 
 
+class Gated(Callback):
+    """Every rank sleeps ``step_s`` after each step while the file ``gate`` exists: a run held
+    at a walking pace while a test changes what runs it, then let go to its end."""
+
+    def __init__(self, gate: str, step_s: float) -> None:
+        self.gate, self.step_s = Path(gate), step_s
+
+    def on_step_end(self, tr) -> None:
+        if self.gate.exists():
+            time.sleep(self.step_s)
+
+
+def gated(gate: Path, step_s: float) -> str:
+    return f"callbacks=[{{_target_:tests.callbacks.Gated,gate:'{gate}',step_s:{step_s}}}]"
+
+
 class StateDump(Callback):
     """At the start of training (after a resume) rank 0 writes the whole model and optimizer
     state, gathered from every rank's shards, to ``path``: what a resume really loaded."""

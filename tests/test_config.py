@@ -20,6 +20,7 @@ from ddp_utils.config import (
     to_schema,
 )
 from ddp_utils.entry import register
+from ddp_utils.train.state import split_global_batch
 
 register()
 GROUPS = ("model", "data", "optim", "sched", "trainer", "experiment")
@@ -77,6 +78,24 @@ def test_defaults_are_the_embedded_digits_with_the_tutorial_convnet():
 def test_experiment_overrides_groups():
     cfg = to_schema(compose_train("experiment=mnist_convnet"))
     assert cfg.data.name == "mnist" and cfg.data.image_size == 28 and cfg.trainer.epochs == 2
+
+
+@pytest.mark.parametrize("recipe", options("experiment"))
+def test_every_recipe_states_its_global_batch_and_learning_rate(recipe):
+    """A recipe's unit is its global batch: it trains the same steps at 1, 2 or 8 processes
+    (accumulating where a process's share exceeds data.batch_size), and its YAML says the
+    global batch and the learning rate it was set with."""
+    composed = compose_train(f"experiment={recipe}")
+    if "root" in composed.data:
+        composed.data.root = "unused"
+    cfg = to_schema(composed)
+    text = (ROOT / "conf" / "experiment" / f"{recipe}.yaml").read_text()
+    assert cfg.data.global_batch_size is not None, recipe
+    assert f"global batch of {cfg.data.global_batch_size}" in text, recipe
+    assert "lr" in text, recipe
+    for world in (1, 2, 8):
+        batch, accum = split_global_batch(cfg.data.global_batch_size, world, cfg.data.batch_size)
+        assert batch * accum * world == cfg.data.global_batch_size
 
 
 @pytest.mark.parametrize("option,keys", [

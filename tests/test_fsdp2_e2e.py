@@ -1,11 +1,11 @@
 """trainer.strategy=fsdp2 with real gloo processes: the same loss curve as ddp on a GPT for 300
 steps and on the tutorial's ConvNet; sharded checkpoints that resume at world sizes 1 and 3
 with exactly the saved model and optimizer state and, with a fixed global batch, train on to
-the uninterrupted run's parameters within rounding (a DDP checkpoint as well); a SIGKILLed run resumes bit for bit, a
-SIGTERMed one saves its stop step and resumes exactly, a full disk in a sharded save stops
-every rank and leaves nothing partial, the run lock holds, an in-process Optuna sweep runs;
-evaluation of the sharded folder is the same at world sizes 1 and 3 and equals training's
-(a language model's loss to the last digit, as under DDP),
+the uninterrupted run's parameters within rounding (a DDP checkpoint as well); a SIGKILLed run
+resumes bit for bit, a SIGTERMed one saves its stop step and resumes exactly, a full disk in a
+sharded save stops every rank and leaves nothing partial, the run lock holds, an in-process
+Optuna sweep runs; evaluation of the sharded folder is the same at world sizes 1 and 3 and
+equals training's (a language model's loss to the last digit, as under DDP),
 and generate.py reads it as it reads the converted single file; 20 groups in a row exit
 cleanly; a GPT over a per-process memory cap trains under fsdp2 and not under ddp. Beside
 them, DDP's compression hooks: fp16, bf16 and PowerSGD (whose state a SIGKILLed run resumes
@@ -60,6 +60,7 @@ LM = ("experiment=lm_char", "data=tokens", "data.block_size=16", "data.global_ba
       "trainer.ema_decay=0.99", "trainer.ema_every_steps=4", "logger=none",
       "trainer.progress=false")  # fmt: skip
 FSDP = "trainer.strategy=fsdp2"
+HSDP, HSDP_2 = "hsdp", "trainer.fsdp.replicate=2"  # 2 replica groups of 2 ranks: a 2x2 mesh
 # fp32 sums in another order (a reduce-scatter of shards against an all-reduce of buckets):
 # the curves agree to this relative tolerance, not bit for bit.
 CURVE_RTOL = 1e-4
@@ -76,11 +77,11 @@ def tokens(tmp_path_factory):
 @pytest.fixture(scope="module")
 def runs(tokens, tmp_path_factory):
     out = {}
-    for name, extra in (("ddp", ()), ("fsdp2", (FSDP,))):
+    for name, extra, world in (("ddp", (), 2), ("fsdp2", (FSDP,), 2), (HSDP, (FSDP, HSDP_2), 4)):
         out[name] = tmp_path_factory.mktemp(name)
         out[f"{name}_start"] = tmp_path_factory.mktemp(f"{name}_start") / "state.pt"
         run_ranks("train.py", *LM, *extra, f"data.root={tokens}", f"run_dir={out[name]}",
-                  dump_state(out[f"{name}_start"], optimizer=False), nproc=2)  # fmt: skip
+                  dump_state(out[f"{name}_start"], optimizer=False), nproc=world)  # fmt: skip
     return out
 
 
@@ -122,13 +123,14 @@ def test_activation_checkpointing_recomputes_the_same_numbers(runs, tokens, tmp_
 
 
 def test_evaluating_the_sharded_folder_is_the_same_at_world_sizes_1_and_3(runs, tmp_path):
-    ckpt = runs["fsdp2"] / "checkpoints" / "last.dcp"
+    """The folder of the HSDP run (a 2x2 mesh): as any sharded folder."""
+    ckpt = runs[HSDP] / "checkpoints" / "last.dcp"
     results = eval_at_world_sizes(ckpt, tmp_path, (None, 3))
     assert results[None]["num_samples"] == results[3]["num_samples"] == VAL_WINDOWS
     # exact at any world size and equal to training's validation, as under ddp
     # (tests/test_lm_e2e.py): canonical batches, per-window losses reduced in the data's order
     assert results[None]["loss"] == results[3]["loss"]
-    assert results[3]["loss"] == read_metrics(runs["fsdp2"])[-1]["val/loss"]
+    assert results[3]["loss"] == read_metrics(runs[HSDP])[-1]["val/loss"]
     # the converter's single file gives eval.py the same numbers
     single = tmp_path / "whole.pt"
     converted = subprocess.run([sys.executable, "-m", "ddp_utils.checkpoint", str(ckpt),
@@ -144,33 +146,62 @@ def test_evaluating_the_sharded_folder_is_the_same_at_world_sizes_1_and_3(runs, 
     assert texts[0].stdout == texts[1].stdout and "the " in texts[0].stdout
 
 
-@pytest.mark.parametrize(("strategy", "world"), [("fsdp2", 1), ("fsdp2", 3), ("ddp", 3)])
-def test_a_checkpoint_saved_at_world_size_2_resumes_at_another_and_trains_on_the_same(
-    runs, tokens, tmp_path, strategy, world
-):
-    """The checkpoint of step 200 copied to a new run; its resume at 1 or 3 processes holds the
-    saved model (and sharded optimizer) state, every tensor equal, then trains on to step 300
-    with the same windows in each step: the uninterrupted run's parameters within rounding."""
-    saved = runs[strategy] / "checkpoints" / f"step_00000200.{'dcp' if strategy == 'fsdp2' else 'pt'}"
-    run = tmp_path / "run"
+def reshard_then_train(saved: Path, run: Path, tokens: Path, world: int, *extra: str) -> None:
+    """The checkpoint ``saved`` copied to the new ``run``, resumed at ``world`` processes: it
+    holds the saved model (and sharded optimizer) state, every tensor equal, then trains on
+    to step 300 with the same windows in each step and the same schedule."""
     (run / "checkpoints").mkdir(parents=True)
     (shutil.copytree if saved.is_dir() else shutil.copy2)(saved, run / "checkpoints" / saved.name)
-    dump = tmp_path / "loaded.pt"
-    proc = run_ranks("train.py", *LM, f"trainer.strategy={strategy}", f"data.root={tokens}",
-                     f"run_dir={run}", dump_state(dump), nproc=world)  # fmt: skip
+    dump = run.parent / f"{run.name}_loaded.pt"
+    proc = run_ranks("train.py", *LM, *extra, f"data.root={tokens}", f"run_dir={run}",
+                     dump_state(dump), nproc=world)  # fmt: skip
     log = (run / "train.log").read_text()
-    assert "saved at world size 2" in log, proc.stdout
+    assert "saved at world size" in log, proc.stdout
     assert "the run's length from here" not in log  # the same steps: the schedule stands
     loaded, expected = torch.load(dump, weights_only=True), whole_checkpoint(saved)
     assert_same_params(loaded["model"], expected["model"])
-    if strategy == "fsdp2":
+    if saved.is_dir():
         for key, state in expected["optimizer"]["state"].items():
             for name, value in state.items():
                 assert torch.equal(loaded["optimizer"]["state"][key][name], value), (key, name)
-    assert [r["step"] for r in read_metrics(run)] == [300]
-    want, got = params(runs[strategy]), params(run)
-    worst = max((want[k] - got[k]).abs().max().item() for k in want)
-    print(f"{strategy} at world size {world}: largest parameter difference {worst:.2e}")
+    saved_step = int(saved.name.split("_")[1].split(".")[0])
+    assert [r["step"] for r in read_metrics(run)] == [s for s in (100, 200, 300) if s > saved_step]
+
+
+def worst_difference(a: Path, b: Path) -> float:
+    want, got = params(a), params(b)
+    return max((want[k] - got[k]).abs().max().item() for k in want)
+
+
+def test_hsdp_on_a_2x2_mesh_trains_as_fsdp2_and_its_folder_moves_to_1x3_then_1x1(
+    runs, tokens, tmp_path
+):
+    """trainer.fsdp.replicate=2 at world size 4: 2 groups of 2 ranks, each holding the model
+    sharded, the same training as fsdp2 over 2 ranks (a fixed global batch). Its step-100
+    folder resumes at 1x3 (plain fsdp2 at world size 3), whose step-200 folder resumes at 1x1:
+    each hop loads the exact state and ends at the uninterrupted run's parameters."""
+    assert "2 replica groups of 2 ranks" in (runs[HSDP] / "train.log").read_text()
+    for a, b in zip(read_metrics(runs[HSDP]), read_metrics(runs["fsdp2"]), strict=True):
+        for key in ("train/loss", "val/loss", "val_ema/loss"):
+            assert close(a[key], b[key], CURVE_RTOL), (a["step"], key, a[key], b[key])
+    assert len(list((runs[HSDP] / "checkpoints" / "step_00000300.dcp").glob("*.distcp"))) == 4
+    assert worst_difference(runs[HSDP], runs["fsdp2"]) < RESHARD_ATOL
+    hop1, hop2 = tmp_path / "1x3", tmp_path / "1x1"
+    reshard_then_train(runs[HSDP] / "checkpoints" / "step_00000100.dcp", hop1, tokens, 3, FSDP)
+    reshard_then_train(hop1 / "checkpoints" / "step_00000200.dcp", hop2, tokens, 1, FSDP)
+    for run in (hop1, hop2):
+        worst = worst_difference(runs["fsdp2"], run)
+        print(f"{run.name}: largest parameter difference {worst:.2e}")
+        assert worst < RESHARD_ATOL, (run.name, worst)
+
+
+def test_a_ddp_checkpoint_saved_at_world_size_2_resumes_at_3_and_trains_on_the_same(
+    runs, tokens, tmp_path
+):
+    run = tmp_path / "run"
+    reshard_then_train(runs["ddp"] / "checkpoints" / "step_00000200.pt", run, tokens, 3)
+    worst = worst_difference(runs["ddp"], run)
+    print(f"ddp at world size 3: largest parameter difference {worst:.2e}")
     assert worst < RESHARD_ATOL, worst
 
 
@@ -212,6 +243,7 @@ def test_twenty_fsdp2_groups_in_a_row_exit_cleanly(tmp_path):
 MEMORY_CGROUP = Path("/sys/fs/cgroup/memory")  # cgroup v1's memory controller
 LIMIT_MIB = 1850  # a rank's memory: under DDP's peak (~2,080 MiB), above fsdp2's (~1,670)
 GPT = ("experiment=gpt2_124m", "model.n_layer=6", "data.block_size=128", "data.batch_size=1",
+       "data.global_batch_size=null",
        "data.eval_batch_size=1", "data.vocab_size=50304", "trainer.grad_accum_steps=1",
        "trainer.max_steps=2", "trainer.val_every_steps=2", "trainer.precision=32",
        "trainer.compile=false", "trainer.timeout_s=60", "logger=none",

@@ -16,10 +16,12 @@ from ddp_utils.files import WRITE_FAILED_EXIT
 CLASSIFICATION = ("data.batch_size=10", "trainer.epochs=1", "trainer.ckpt_every_steps=10",
                   "trainer.precision=32", "logger=none")  # fmt: skip
 SEGMENTATION = ("experiment=digits_segmentation", "model.channels=[8,16]", "data.batch_size=16",
+              "data.global_batch_size=null",
                 "trainer.max_steps=30", "trainer.ckpt_every_steps=10", "trainer.precision=32",
                 "logger=none")  # fmt: skip
 LANGUAGE_MODEL = ("experiment=lm_char", "data=tokens", "data.block_size=16",
-                  "data.batch_size=4", "model.n_layer=1", "model.n_head=2", "model.n_embd=32",
+                  "data.batch_size=4", "data.global_batch_size=null", "model.n_layer=1",
+                  "model.n_head=2", "model.n_embd=32",
                   "trainer.max_steps=30", "trainer.val_every_steps=30",
                   "trainer.ckpt_every_steps=10", "trainer.precision=32",
                   "logger=none")  # fmt: skip

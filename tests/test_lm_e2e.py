@@ -23,6 +23,7 @@ VAL_WINDOWS = 127  # 16-token windows: a prime, which no world size divides
 # 2000 training tokens: 124 windows of 16, 15 whole steps an epoch at 2 x 4 (4 windows left
 # out); 30 steps span 2 epochs.
 RUN = ("experiment=lm_char", "data=tokens", "data.block_size=16", "data.batch_size=4",
+       "data.global_batch_size=null",
        "data.eval_batch_size=8", "model.n_layer=1", "model.n_head=2", "model.n_embd=32",
        "trainer.max_steps=30", "trainer.val_every_steps=10", "trainer.ckpt_every_steps=5",
        "sched.warmup_steps=5", "trainer.precision=32", "logger=none")  # fmt: skip

@@ -32,6 +32,7 @@ from ddp_utils.prepare_text import main as prepare_text
 from ddp_utils.tasks import build_task, check_task
 from ddp_utils.tasks.base import Batch
 from ddp_utils.tasks.language_model import BitsPerByte, LanguageModel
+from ddp_utils.train.state import split_global_batch
 
 RT = Runtime(0, 0, 1, 1, torch.device("cpu"), "gloo")
 
@@ -240,7 +241,7 @@ def test_the_task_sums_over_real_tokens_and_bits_per_byte_counts_bytes():
 def test_lm_char_recipe_and_gpt2_124m_compose_with_their_shapes():
     c = compose_config("experiment=lm_char")
     assert (c.model.n_layer, c.model.n_head, c.model.n_embd, c.model.dropout) == (4, 4, 128, 0.0)
-    assert (c.data.name, c.data.block_size, c.data.batch_size) == ("pystdlib", 64, 12)
+    assert (c.data.name, c.data.block_size, c.data.global_batch_size) == ("pystdlib", 64, 24)
     assert c.data.eval_batch_size == 64  # measured fastest for one exact validation
     assert (c.trainer.max_steps, c.optim.lr, c.sched.min_lr, c.optim.betas[1]) == (
         2000, 1e-3, 1e-4, 0.99)  # fmt: skip
@@ -248,8 +249,8 @@ def test_lm_char_recipe_and_gpt2_124m_compose_with_their_shapes():
     g = compose_config("experiment=gpt2_124m")
     assert (g.model.n_layer, g.model.n_head, g.model.n_embd, g.data.block_size) == (
         12, 12, 768, 1024)  # fmt: skip
-    tokens_per_step = g.data.batch_size * 8 * g.trainer.grad_accum_steps * g.data.block_size
-    assert tokens_per_step == 491_520  # ~0.5M tokens on 8 processes
+    assert g.data.global_batch_size * g.data.block_size == 491_520  # ~0.5M tokens a step
+    assert split_global_batch(g.data.global_batch_size, 8, g.data.batch_size) == (12, 5)
     model = build_model(g.model, TokenData(block_size=1024, num_classes=50304))
     assert 123e6 < sum(p.numel() for p in model.parameters()) < 125e6
 

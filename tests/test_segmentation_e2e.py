@@ -24,6 +24,7 @@ from segfolders import VAL_SIZES, seg_args, write_seg_folder
 # The embedded canvases with random resized crops, small and fast: 45 steps an epoch at 2
 # processes.
 DIGITS = ("experiment=digits_segmentation", "model.channels=[8,16]", "data.batch_size=16",
+          "data.global_batch_size=null",
           "data.augment=true", "trainer.epochs=2", "trainer.ckpt_every_steps=10",
           "trainer.keep_last=10", "trainer.precision=32", "logger=none")  # fmt: skip
 N_TRAIN = 1438

@@ -186,6 +186,7 @@ def test_token_shards_on_s3_train_as_the_single_local_files(store, tmp_path):
                           Body=path.read_bytes())  # fmt: skip
     bucket = "s3://data"
     lm = ("experiment=lm_char", "data=tokens", "data.block_size=16", "data.batch_size=4",
+          "data.global_batch_size=null",
           "data.eval_batch_size=8", "model.n_layer=1", "model.n_head=2", "model.n_embd=32",
           "trainer.max_steps=12", "trainer.val_every_steps=6", "sched.warmup_steps=2",
           "trainer.precision=32", "logger=none")  # fmt: skip

@@ -9,6 +9,7 @@ import re
 
 import pytest
 import torch
+from conftest import compose_config
 from torch import nn
 
 from ddp_utils.config import ConfigError, TrainerConfig
@@ -104,3 +105,35 @@ def test_a_strategy_refuses_the_keys_of_another_by_name(strategy, key, value, me
     with pytest.raises(ConfigError, match=re.escape(message)):
         build_strategy(OmegaConf.to_object(trainer), rt)
     build_strategy(TrainerConfig(strategy=strategy), rt)  # the defaults pass
+
+
+def test_hsdp_meshes_from_trainer_fsdp_replicate():
+    from ddp_utils.strategy.fsdp2 import mesh_shape
+
+    assert mesh_shape(1, 4, 2) == (4,)  # one group: plain fsdp2
+    assert mesh_shape(2, 4, 4) == (2, 2)
+    assert mesh_shape(-1, 16, 8) == (2, 8)  # a group a node: shards within a node
+    assert mesh_shape(-1, 8, 8) == (8,)  # one node left: one group
+    assert mesh_shape(4, 4, 1) == (4, 1)  # replicas only: DDP's arithmetic
+    with pytest.raises(ConfigError, match=r"replicate=2 does not divide the world size 3.*1, 3"):
+        mesh_shape(2, 3, 3)
+
+
+@pytest.mark.parametrize("value", [0, -2])
+def test_a_replicate_of_no_group_is_refused_by_name(value):
+    from ddp_utils.config import validate
+
+    with pytest.raises(ConfigError, match=f"trainer.fsdp.replicate={value}: set the number"):
+        validate(compose_config("trainer.strategy=fsdp2", f"trainer.fsdp.replicate={value}"))
+
+
+def test_the_world_size_a_replicate_cannot_divide_stops_before_the_run_starts():
+    from ddp_utils.train.state import check_runtime
+
+    trainer = TrainerConfig(strategy="fsdp2")
+    trainer.fsdp.replicate = 2
+    rt = Runtime(0, 0, 3, 3, torch.device("cpu"), "gloo")
+    with pytest.raises(ConfigError, match="trainer.fsdp.replicate=2 does not divide"):
+        check_runtime(trainer, rt)
+    with pytest.raises(ConfigError, match="trainer.fsdp.replicate=2 is trainer.strategy=fsdp2"):
+        check_runtime(TrainerConfig(fsdp=trainer.fsdp), rt)

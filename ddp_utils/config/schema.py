@@ -50,6 +50,10 @@ class FSDPOptions:
     # backward): less memory, one more all-gather a unit.
     reshard_after_forward: bool = True
     cpu_offload: bool = False  # parameters, gradients and optimizer state in host memory
+    # HSDP: this many replica groups of ranks, each holding one whole copy sharded over its
+    # ranks (a 2-D mesh; gradients reduce-scattered in a group, then all-reduced across).
+    # 1 = one group of every rank; -1 = one group a node, so all-gathers stay within a node.
+    replicate: int = 1
 
 
 COMM_HOOKS = ("fp16", "bf16", "powersgd")  # DDP's built-in gradient compression hooks
@@ -249,6 +253,11 @@ def check_run(cfg: TrainConfig) -> None:
     ):
         check_positive(key, value)
     check_fraction("trainer.label_smoothing", t.label_smoothing)
+    if t.fsdp.replicate == 0 or t.fsdp.replicate < -1:
+        raise ConfigError(
+            f"trainer.fsdp.replicate={t.fsdp.replicate}: set the number of replica groups (1 "
+            "or more, dividing the world size), or -1 for one group a node."
+        )
     if t.ema_decay is not None and not 0.0 < t.ema_decay < 1.0:
         raise ConfigError(
             f"trainer.ema_decay={t.ema_decay} must lie in (0, 1); null turns EMA off."

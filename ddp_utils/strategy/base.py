@@ -86,6 +86,7 @@ STRATEGY_KEYS = {
     "ddp.comm_hook": "ddp", "ddp.powersgd_rank": "ddp", "ddp.powersgd_start_iter": "ddp",
     "sync_bn": "ddp", "bucket_cap_mb": "ddp", "gradient_as_bucket_view": "ddp",
     "static_graph": "ddp", "fsdp.reshard_after_forward": "fsdp2", "fsdp.cpu_offload": "fsdp2",
+    "fsdp.replicate": "fsdp2",
 }  # fmt: skip
 
 
@@ -128,8 +129,13 @@ class Strategy:
     # Which of STRATEGY_KEYS this strategy reads (the others must keep their defaults).
     reads: tuple[str, ...] = ()
 
+    @classmethod
+    def check(cls, trainer: TrainerConfig, rt: Runtime) -> None:
+        """ConfigError for keys this strategy cannot take at this runtime, before a run starts."""
+        refuse_unread_keys(trainer, cls.reads)
+
     def __init__(self, trainer: TrainerConfig, rt: Runtime) -> None:
-        refuse_unread_keys(trainer, self.reads)
+        self.check(trainer, rt)
         self.trainer, self.rt = trainer, rt
         self.model: nn.Module | None = None
         self.raw_model: nn.Module | None = None

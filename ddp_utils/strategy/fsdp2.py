@@ -43,8 +43,8 @@ from torch.distributed.fsdp import (
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from ddp_utils.checkpoint import save_sharded
-from ddp_utils.config import ConfigError
-from ddp_utils.dist import broadcast_buffers
+from ddp_utils.config import ConfigError, TrainerConfig
+from ddp_utils.dist import Runtime, broadcast_buffers
 from ddp_utils.models import memory_format_of
 from ddp_utils.run import log
 from ddp_utils.strategy.base import Strategy, model_units
@@ -125,6 +125,20 @@ class ShardedScaler(ShardedGradScaler):
         return state["found_inf_per_device"]
 
 
+def mesh_shape(replicate: int, world_size: int, local_world_size: int) -> tuple[int, ...]:
+    """The device mesh of ``trainer.fsdp.replicate`` at this world size: ``(world_size,)``
+    for one group, else ``(groups, ranks a group)``; -1 takes a group a node."""
+    groups = world_size // local_world_size if replicate == -1 else replicate
+    if world_size % groups:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise ConfigError(
+            f"trainer.fsdp.replicate={replicate} does not divide the world size {world_size}: "
+            f"each replica group takes an equal share of the ranks. Set one of "
+            f"{', '.join(map(str, divisors))}, or -1 for one group a node."
+        )
+    return (world_size,) if groups == 1 else (groups, world_size // groups)
+
+
 def buffers_to(module: nn.Module, device: torch.device) -> None:
     """Move every buffer of ``module`` (not its parameters) to ``device``."""
     for m in module.modules():
@@ -136,7 +150,16 @@ def buffers_to(module: nn.Module, device: torch.device) -> None:
 class FSDP2Strategy(Strategy):
     lockstep_eval = True
     shards_parameters = True
-    reads = ("fsdp.reshard_after_forward", "fsdp.cpu_offload")
+    reads = ("fsdp.reshard_after_forward", "fsdp.cpu_offload", "fsdp.replicate")
+
+    @classmethod
+    def check(cls, trainer: TrainerConfig, rt: Runtime) -> None:
+        super().check(trainer, rt)
+        mesh_shape(trainer.fsdp.replicate, rt.world_size, rt.local_world_size)
+
+    def __init__(self, trainer: TrainerConfig, rt: Runtime) -> None:
+        super().__init__(trainer, rt)
+        self.mesh_shape = mesh_shape(trainer.fsdp.replicate, rt.world_size, rt.local_world_size)
 
     def build(self, make: Callable[[], nn.Module]) -> nn.Module:
         """The main rank builds the model whole, in host memory; every other rank on the meta
@@ -178,7 +201,11 @@ class FSDP2Strategy(Strategy):
         # The EMA twin is copied before sharding and sharded the same way, so that its
         # shards line up with the model's.
         twin = copy.deepcopy(raw_model) if self.trainer.ema_decay is not None else None
-        mesh = init_device_mesh(self.rt.device.type, (self.rt.world_size,))
+        names = ("replicate", "shard") if len(self.mesh_shape) == 2 else ("shard",)
+        mesh = init_device_mesh(self.rt.device.type, self.mesh_shape, mesh_dim_names=names)
+        if len(self.mesh_shape) == 2:
+            log.info("fsdp2: %d replica groups of %d ranks, each shard on every group (HSDP)",
+                     *self.mesh_shape)  # fmt: skip
         for module in (raw_model, twin) if twin is not None else (raw_model,):
             self.shard(module, mesh)
             self.fill(module, whole)

@@ -34,7 +34,7 @@ from ddp_utils.watchdog import StepWatchdog
 
 def check_runtime(cfg: TrainerConfig, rt: Runtime) -> None:
     """Refuse what this device cannot do before anything is written."""
-    strategy_class(cfg)  # a strategy that does not exist stops here
+    strategy_class(cfg).check(cfg, rt)  # a strategy that does not exist, or cannot run here
     if cfg.sync_bn and rt.device.type != "cuda":
         raise ConfigError(
             "trainer.sync_bn=true needs CUDA: DDP refuses SyncBatchNorm on CPU modules. "
