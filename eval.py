@@ -12,7 +12,7 @@ import hydra
 from omegaconf import DictConfig
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from ddp_utils.dist import shutdown
+from ddp_utils.dist import process_group_left
 from ddp_utils.entry import (
     clean_exit,
     implied_options,
@@ -32,12 +32,9 @@ register()
 def main(cfg: DictConfig) -> float:
     from ddp_utils.evaluation import run_eval  # here: --help and mistakes answer sooner
 
-    with clean_exit():
-        try:
-            result = run_eval(cfg, implied_options())
-            return result.get(result["monitor"], float("nan"))
-        finally:
-            shutdown()
+    with clean_exit(), process_group_left():
+        result = run_eval(cfg, implied_options())
+        return result.get(result["monitor"], float("nan"))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from omegaconf import DictConfig
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from ddp_utils.config import to_schema
-from ddp_utils.dist import init_distributed, shutdown
+from ddp_utils.dist import init_distributed, process_group_left
 from ddp_utils.entry import clean_exit, leave, register, user_errors
 from ddp_utils.sweep import in_sweep, sweep_job_dir
 
@@ -32,19 +32,16 @@ register()
 @hydra.main(version_base=None, config_path="conf", config_name="train")
 @record  # torchrun then reports the failing rank's traceback
 def main(cfg: DictConfig) -> float:
-    with clean_exit():
-        try:
-            train_cfg = to_schema(cfg)
-            # Imported only now: --help, --cfg and config mistakes answer without loading the
-            # models, data and metrics libraries (seconds less for every such launch).
-            from ddp_utils.sweep.pruning import sweep_callbacks
-            from ddp_utils.train.loop import fit
+    # A sweep's jobs share the process group: only a single run leaves it at its end.
+    with clean_exit(), process_group_left(not in_sweep()):
+        train_cfg = to_schema(cfg)
+        # Imported only now: --help, --cfg and config mistakes answer without loading the
+        # models, data and metrics libraries (seconds less for every such launch).
+        from ddp_utils.sweep.pruning import sweep_callbacks
+        from ddp_utils.train.loop import fit
 
-            rt = init_distributed(train_cfg.trainer)
-            return fit(train_cfg, rt, sweep_job_dir(), sweep_callbacks())
-        finally:
-            if not in_sweep():  # a sweep's jobs share the process group
-                shutdown()
+        rt = init_distributed(train_cfg.trainer)
+        return fit(train_cfg, rt, sweep_job_dir(), sweep_callbacks())
 
 
 if __name__ == "__main__":

@@ -230,19 +230,37 @@ def group_store() -> dist.Store:
 LEAVE_WAIT_S = 30.0  # how long a rank waits at the end for the others to tear down
 
 
-def shutdown() -> None:
+def shutdown(together: bool = True) -> None:
     """Leave the process group so that no rank aborts at exit. A rank whose peer closed its
     gloo connections while it was still tearing its own down, or whose group objects were left
     to the interpreter's finalization, was seen to abort ("terminate called without an active
     exception", about one process in 80 under fsdp2): every rank destroys its group, then waits
     (through the store, which outlives the group) until all have, and the objects that still
-    hold a group are collected while the interpreter is whole."""
+    hold a group are collected while the interpreter is whole. Not ``together``: a peer is
+    gone, and nobody waits for it."""
     if dist.is_initialized():
         store, world = group_store(), dist.get_world_size()
         dist.destroy_process_group()
-        if world > 1:
+        if world > 1 and together:
             leave_together(store, world)
     gc.collect()
+
+
+@contextlib.contextmanager
+def process_group_left(leave: bool = True) -> Iterator[None]:
+    """Run the body, then leave the process group (``shutdown``) when ``leave``. After a
+    collective that failed for a lost peer, the survivors leave at once: waiting
+    ``LEAVE_WAIT_S`` for a rank that will never come held each survivor 30 s, and an elastic
+    agent re-formed the smaller group that much later."""
+    try:
+        yield
+    except BaseException as e:
+        if leave:
+            cause = e.__context__ if e.__context__ is not None else e
+            shutdown(together=lost_peer(e) is None and lost_peer(cause) is None)
+        raise
+    if leave:
+        shutdown()
 
 
 def leave_together(store: dist.Store, world: int) -> None:
