@@ -73,6 +73,32 @@ def test_plain_python_joins_a_group_of_one():
     assert not torch.distributed.is_initialized()
 
 
+def test_survivors_of_a_lost_peer_leave_the_group_without_waiting_for_it(monkeypatch):
+    """After a collective lost its peer, the others are not waited for at the end (it never
+    comes: tests/test_elastic_e2e.py); any other ending waits for every rank."""
+    import ddp_utils.dist as dist_module
+    from ddp_utils.dist import process_group_left
+    from ddp_utils.preemption import StoppedEarly
+
+    calls = []
+    monkeypatch.setattr(dist_module, "shutdown", lambda together=True: calls.append(together))
+    lost = RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [::1]:1")
+    with pytest.raises(RuntimeError), process_group_left():
+        raise lost
+    with pytest.raises(StoppedEarly), process_group_left():
+        try:
+            raise lost
+        except RuntimeError:
+            raise StoppedEarly(15) from None
+    with pytest.raises(ValueError), process_group_left():
+        raise ValueError("a user's mistake")
+    with process_group_left():
+        pass
+    with process_group_left(leave=False):  # a sweep's job: the group stays
+        pass
+    assert calls == [False, False, True, True]
+
+
 def test_device_auto_is_cpu_without_cuda_and_cuda_is_refused():
     env = read_launch_env(TORCHRUN_ENV)
     assert pick_device(TrainerConfig(device="auto"), env, Cuda()).type == "cpu"
