@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import tempfile
 from pathlib import Path
@@ -57,7 +58,7 @@ def token_folder(root: Path, vocab: int) -> Path:
 
 
 def measure(recipe: str, variant: str, tmp: Path) -> dict:
-    run = tmp / f"{recipe}-{variant}".replace(" ", "").replace("x", "_")
+    run = tmp / re.sub(r"[^A-Za-z0-9]+", "_", f"{recipe}-{variant}")  # a path an override takes
     probe = tmp / "probe" / run.name
     os.environ["PYTHONPATH"] = f"{ROOT / 'bench'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
     vocab, overrides = RECIPES[recipe]
