@@ -17,6 +17,7 @@ import os
 import platform
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,9 +57,16 @@ def training_flops_per_sample(model: nn.Module, counted_forward: float) -> float
 @contextlib.contextmanager
 def counting() -> Iterator[Any]:
     """``FlopCounterMode`` without its table: ``.get_total_flops()`` after the block."""
-    from torch.utils.flop_counter import FlopCounterMode
+    from torch.utils import flop_counter
 
-    with FlopCounterMode(display=False) as counter:
+    # torch counts its GPU attention kernels but not the CPU one the same call picks: the same
+    # formula (the full T x T products, as nanoGPT counts them) for it.
+    aten, registry = torch.ops.aten, flop_counter.flop_registry
+    registry.setdefault(aten._scaled_dot_product_flash_attention_for_cpu,
+                        registry[aten._scaled_dot_product_flash_attention])  # fmt: skip
+    registry.setdefault(aten._scaled_dot_product_flash_attention_for_cpu_backward,
+                        registry[aten._scaled_dot_product_flash_attention_backward])  # fmt: skip
+    with flop_counter.FlopCounterMode(display=False) as counter:
         yield counter
 
 
@@ -143,3 +151,20 @@ def mfu(samples_per_s: float, flops_per_sample: float, world_size: int, peak: fl
     """The fraction of ``world_size`` devices' peak that training at ``samples_per_s`` (all
     ranks together) uses."""
     return samples_per_s * flops_per_sample / (world_size * peak)
+
+
+@dataclass(frozen=True)
+class Utilisation:
+    """What a run's MFU is computed from, found once before training."""
+
+    flops_per_sample: float  # training FLOPs of one sample (forward and backward)
+    peak: float  # FLOP/s of one device at most
+    source: str  # where ``peak`` comes from
+    world_size: int
+
+    def of(self, samples_per_s: float) -> float:
+        return mfu(samples_per_s, self.flops_per_sample, self.world_size, self.peak)
+
+    def describe(self) -> str:
+        return (f"{self.flops_per_sample / 1e9:.3g} GFLOP a training sample; peak "
+                f"{self.peak / 1e12:.3g} TFLOP/s a device ({self.source})")  # fmt: skip

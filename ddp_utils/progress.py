@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import sys
 import time
+from collections.abc import Callable
 
 from tqdm import tqdm
 
@@ -22,11 +23,13 @@ class Progress:
     """
 
     def __init__(self, mode: str, is_main: bool, total_steps: int, samples_per_step: int,
-                 unit: str = "img") -> None:  # fmt: skip
+                 unit: str = "img",
+                 mfu_of: Callable[[float], float] | None = None) -> None:  # fmt: skip
         show_bar = mode == "true" or (mode == "auto" and sys.stderr.isatty())
         self.bar_enabled = is_main and show_bar
         self.total_steps, self.samples_per_step = total_steps, samples_per_step
         self.unit = unit  # what samples_per_step counts: img, or tok for token data
+        self.mfu_of = mfu_of  # samples_per_step's unit a second -> model FLOPs utilisation
         self.bar: tqdm | None = None
         self.start, self.start_step = time.perf_counter(), 0
 
@@ -50,12 +53,13 @@ class Progress:
         """Main rank only (the caller reads the loss there alone)."""
         images_s, left = self.rate(step)
         eta = str(datetime.timedelta(seconds=round(left)))
+        mfu = f"{100 * self.mfu_of(images_s):.1f}%" if self.mfu_of is not None else "n/a"
         if self.bar is not None:
             rate = {f"{self.unit}_s": f"{images_s:.0f}"}
-            self.bar.set_postfix(loss=f"{loss:.4f}", **rate, left=eta)
+            self.bar.set_postfix(loss=f"{loss:.4f}", **rate, mfu=mfu, left=eta)
         else:
-            log.info("epoch %d | step %d/%d | loss %.4f | lr %.4g | %.0f %s/s | %s left",
-                     self.epoch, step, self.total_steps, loss, lr, images_s, self.unit,
+            log.info("epoch %d | step %d/%d | loss %.4f | lr %.4g | %.0f %s/s | mfu %s | %s left",
+                     self.epoch, step, self.total_steps, loss, lr, images_s, self.unit, mfu,
                      eta)  # fmt: skip
 
     def end_epoch(self) -> None:

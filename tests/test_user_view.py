@@ -3,6 +3,7 @@ output, and the doctor."""
 
 from __future__ import annotations
 
+import re
 import socket
 import subprocess
 import sys
@@ -38,8 +39,10 @@ def test_torchrun_two_ranks_share_one_run_dir(two_epoch_run):
     assert [r["epoch"] for r in records] == [0, 1]
     for r in records:
         assert {"epoch", "step", "lr", "train/loss", "val/accuracy", "val/num_samples",
-                "samples_per_s"} <= r.keys()  # fmt: skip
-        assert r["val/num_samples"] == 359
+                "samples_per_s", "mfu"} <= r.keys()  # fmt: skip
+        assert r["val/num_samples"] == 359 and 0 < r["mfu"] < 1
+    assert "model FLOPs: " in log and "GFLOP a training sample; peak" in log
+    assert re.search(r"step 2/14 \| .* img/s \| mfu \d+\.\d% \|", log), log  # the progress line
     ckpt = torch.load(run / "checkpoints" / "last.pt", weights_only=True)
     assert {"model", "optimizer", "scheduler", "scaler", "epoch", "step", "config"} <= ckpt.keys()
     assert ckpt["step"] == records[-1]["step"] and ckpt["config"]["data"]["name"] == "digits"
@@ -63,7 +66,7 @@ def test_tensorboard_holds_the_scalars(two_epoch_run):
     events = EventAccumulator(str(run / "tb"))
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    assert {"train/loss", "lr", "val/accuracy", "samples_per_s", "peak_memory_mb"} <= tags
+    assert {"train/loss", "lr", "val/accuracy", "samples_per_s", "mfu", "peak_memory_mb"} <= tags
     assert [e.step for e in events.Scalars("val/accuracy")] == [7, 14]
 
 

@@ -111,6 +111,9 @@ class TrainerConfig:
     ema_decay: float | None = None  # EMA of the weights (references' adjustment); null = off
     ema_every_steps: int = 32
     save_best_ema: bool = False  # also keep best_ema.pt, by val_ema/<task.monitor>
+    # A device's peak FLOP/s in the run's precision, for `mfu`; null = a GPU's datasheet
+    # value, else a matmul measured once on this machine (ddp_utils/flops.py)
+    peak_flops: float | None = None
 
 
 @dataclass
@@ -250,6 +253,7 @@ def check_run(cfg: TrainConfig) -> None:
         ("trainer.keep_last", t.keep_last),
         ("trainer.bucket_cap_mb", t.bucket_cap_mb),
         ("trainer.ema_every_steps", t.ema_every_steps),
+        ("trainer.peak_flops", t.peak_flops),
     ):
         check_positive(key, value)
     check_fraction("trainer.label_smoothing", t.label_smoothing)

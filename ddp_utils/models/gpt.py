@@ -86,6 +86,14 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
+    def flops_per_sample(self) -> float:
+        """Training FLOPs (forward and backward) of one window of ``block_size`` tokens, as
+        nanoGPT and PaLM count them: 6 a parameter and token (the position table, a lookup,
+        left out) and 12 x layers x width x block_size a token for attention's products."""
+        n = sum(p.numel() for p in self.parameters()) - self.wpe.weight.numel()
+        layers, width, t = len(self.blocks), self.wte.embedding_dim, self.block_size
+        return float((6 * n + 12 * layers * width * t) * t)
+
     def fsdp_units(self) -> list[nn.Module]:
         """What trainer.strategy=fsdp2 shards one by one: the transformer blocks (the
         embeddings, tied to the head, stay with the root)."""

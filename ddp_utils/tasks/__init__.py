@@ -23,6 +23,7 @@ from torch import nn
 from ddp_utils.config import ConfigError, TrainConfig, own_keys
 from ddp_utils.data import offered_by_data
 from ddp_utils.dist import Runtime
+from ddp_utils.flops import counting
 from ddp_utils.models import memory_format_of
 from ddp_utils.models.probe import PROBE_BATCH, check_logits, eval_mode, size_error
 from ddp_utils.run import log
@@ -132,12 +133,13 @@ def check_task(
     cfg: TrainConfig,
     device: torch.device,
     amp: Callable[[], AbstractContextManager] = contextlib.nullcontext,
-) -> None:
+) -> float:
     """Before the first step (and in eval.py), one ``eval_step`` on blank images of the data's
     shape, in eval mode (nothing moves): the model takes ``data.image_size``, its output has the
     task's shape, and every metric takes the batch; then the metrics are reset. Under ``amp``
     (training's autocast): the forward runs as training's and validation's do (a sharded
-    model's parameters are already in the autocast dtype)."""
+    model's parameters are already in the autocast dtype). Returns the forward's FLOPs a
+    sample, counted as it ran (``ddp_utils.flops``)."""
     memory_format = memory_format_of(cfg.trainer.channels_last)
     expected = task.output_shape(PROBE_BATCH)
 
@@ -150,7 +152,8 @@ def check_task(
     inputs = batch.inputs
     try:
         with eval_mode(model), amp():
-            returned = task.eval_step(checked, batch, _NamedUpdates(metrics))
+            with counting() as counter:
+                returned = task.eval_step(checked, batch, _NamedUpdates(metrics))
             check_sums(task, model, batch, metrics, returned)
     except ConfigError:
         raise
@@ -163,6 +166,7 @@ def check_task(
         raise error from None
     finally:
         metrics.reset()
+    return counter.get_total_flops() / PROBE_BATCH
 
 
 CONTRACT = ("return (the loss summed over the batch's real rows, their count): two tensors, "

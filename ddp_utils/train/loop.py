@@ -161,6 +161,7 @@ def interval_stats(tr: Training) -> dict[str, float]:
     elapsed = time.perf_counter() - tr.interval_start
     samples = tr.samples_seen - tr.interval_samples
     stats = {"train/loss": totals[0] / max(totals[1], 1), "samples_per_s": samples / elapsed}
+    stats["mfu"] = tr.utilisation.of(stats["samples_per_s"])
     if skips_bad_images(tr.cfg.data):
         stats["train/skipped_images"] = int(totals[2])
     return stats
@@ -236,6 +237,7 @@ def log_epoch(tr: Training, record: dict[str, Any]) -> None:
     rate = f"{record['samples_per_s']:.0f} samples/s"
     if "tokens_per_s" in record:
         rate = f"{record['tokens_per_s']:.0f} tokens/s, {record['tokens']} tokens"
+    rate += f", mfu {100 * record['mfu']:.1f}%"
     log.info(
         "epoch %d | step %d | train/loss %.4f | val/loss %.4f%s (%d samples) | %s",
         tr.epoch, tr.step, record["train/loss"], record["val/loss"], shown,

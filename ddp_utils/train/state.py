@@ -18,12 +18,14 @@ from torchmetrics import MetricCollection
 from ddp_utils.config import ConfigError, TrainConfig, TrainerConfig, as_plain_dict
 from ddp_utils.data import DataBundle, build_data
 from ddp_utils.dist import Runtime
+from ddp_utils.flops import Utilisation, peak_flops, training_flops_per_sample
 from ddp_utils.metrics import build_metrics
 from ddp_utils.models import build_model
 from ddp_utils.models.ema import EMA, ema_decay
 from ddp_utils.optim import build_optimizer, build_scheduler, warmup_steps
 from ddp_utils.preemption import StopRequest
 from ddp_utils.progress import Progress
+from ddp_utils.run import log
 from ddp_utils.strategy import Strategy, build_strategy, strategy_class
 from ddp_utils.tasks import Task, build_task, check_task
 from ddp_utils.tracking import Trackers, build_trackers, reset_peak_memory
@@ -112,6 +114,7 @@ class Training:
     # This rank's (loss sum, its count, skipped images) of the epoch so far, on the device;
     # the count is the samples' (classification) or the counted pixels' (segmentation).
     epoch_totals: torch.Tensor
+    utilisation: Utilisation  # the model's FLOPs and the device's peak, for `mfu`
     epoch: int = 0  # epochs completed; the one in progress
     step: int = 0  # optimizer steps taken
     sample_offset: int = 0  # positions of this epoch's sample order already trained on
@@ -193,7 +196,9 @@ def build_training(cfg: TrainConfig, rt: Runtime, run_dir: Path, callbacks: Any)
     strategy.wrap(strategy.build(lambda: build_model(cfg.model, cfg.data, task.num_outputs())))
     raw_model = strategy.raw_model
     metrics = build_metrics(cfg.task, task, rt.device)
-    check_task(task, raw_model, metrics, cfg, rt.device, amp_context(t.precision, rt.device))
+    forward_flops = check_task(task, raw_model, metrics, cfg, rt.device,
+                               amp_context(t.precision, rt.device))  # fmt: skip
+    usage = utilisation(raw_model, forward_flops, t, rt)
     seed_everything(cfg.seed + rt.rank)
     data = build_data(cfg.data, rt, seed=cfg.seed, channels_last=t.channels_last)
     check_batch_sizes(raw_model, data.train_sampler, cfg.data.batch_size, rt)
@@ -223,9 +228,22 @@ def build_training(cfg: TrainConfig, rt: Runtime, run_dir: Path, callbacks: Any)
             total_steps,
             global_batch(cfg, rt) * data.unit.per_sample,
             unit=data.unit.short,
+            mfu_of=lambda per_s: usage.of(per_s / data.unit.per_sample),
         ),  # fmt: skip
         trackers=build_trackers(cfg.logger, cfg.logger_cfg, rt),
         callbacks=callbacks,
         metrics=metrics,
         epoch_totals=torch.zeros(3, dtype=torch.float64, device=rt.device),
+        utilisation=usage,
     )
+
+
+def utilisation(
+    model: nn.Module, forward_flops: float, t: TrainerConfig, rt: Runtime
+) -> Utilisation:
+    """The model's training FLOPs a sample and the device's peak: what ``mfu`` divides."""
+    peak, source = peak_flops(rt.device, t.precision, t.peak_flops)
+    usage = Utilisation(training_flops_per_sample(model, forward_flops), peak, source,
+                        rt.world_size)  # fmt: skip
+    log.info("model FLOPs: %s", usage.describe())
+    return usage
