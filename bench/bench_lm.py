@@ -57,14 +57,16 @@ def corpus(tmp: Path, val_windows: int) -> tuple[Path, int]:
     return dst, json.loads((src / "meta.json").read_text())["vocab_size"]
 
 
-def ours(world_size: int, root: Path, extra: list[str], steps: int, every: int, tmp: Path) -> float:
+def ours(world_size: int, root: Path, extra: list[str], steps: int, every: int,
+         tmp: Path) -> tuple[float, float]:  # fmt: skip
+    """(tokens/s, mfu): medians over the validation intervals after the first."""
     run = tmp / f"run_{world_size}_{len(list(tmp.glob('run_*')))}"
     torchrun(world_size, "train.py", "experiment=lm_char", "data=tokens", f"data.root={root}",
              "data.global_batch_size=null",
              f"trainer.max_steps={steps}", f"trainer.val_every_steps={every}", f"run_dir={run}",
              "logger=none", "trainer.progress=false", *extra)  # fmt: skip
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    return statistics.median(r["tokens_per_s"] for r in rows[1:])
+    return tuple(statistics.median(r[k] for r in rows[1:]) for k in ("tokens_per_s", "mfu"))
 
 
 def baseline(world_size: int, root: Path, vocab: int, steps: int) -> float:
@@ -96,20 +98,24 @@ def main() -> None:
         root, vocab = corpus(tmp, val_windows=256)
         for ws in args.world_sizes:
             rates = {"plain DDP loop": baseline(ws, root, vocab, args.steps - args.every)}
+            mfu = {}
             for name in args.variants:
-                rates[name] = ours(ws, root, VARIANTS[name], args.steps, args.every, tmp)
-            rows.append({"world_size": ws, "tokens_per_s": rates})
+                rates[name], mfu[name] = ours(ws, root, VARIANTS[name], args.steps, args.every,
+                                              tmp)  # fmt: skip
+            rows.append({"world_size": ws, "tokens_per_s": rates, "mfu": mfu})
             print(ws, rates, flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"rows": rows}, indent=2))
     names = list(rows[0]["tokens_per_s"])
-    print("\n| world size | " + " | ".join(f"{n} (tokens/s)" for n in names) + " | best / plain |")
-    print("|" + " --- |" * (len(names) + 2))
+    print("\n| world size | " + " | ".join(f"{n} (tokens/s)" for n in names)
+          + " | best / plain | mfu of each train.py |")  # fmt: skip
+    print("|" + " --- |" * (len(names) + 3))
     for r in rows:
         tps = r["tokens_per_s"]
         best = max(v for k, v in tps.items() if k != "plain DDP loop")
         cells = " | ".join(f"{tps[n]:,.0f}" for n in names)
-        print(f"| {r['world_size']} | {cells} | {best / tps['plain DDP loop']:.2f}x |")
+        mfu = " / ".join(f"{100 * v:.1f}%" for v in r["mfu"].values())
+        print(f"| {r['world_size']} | {cells} | {best / tps['plain DDP loop']:.2f}x | {mfu} |")
     print(f"written to {args.out}")
 
 

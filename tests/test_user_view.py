@@ -126,3 +126,27 @@ def test_doctor_diagnoses_a_port_in_use():
         proc = doctor("--port", str(port))
     assert proc.returncode == 1
     assert f"port {port} is already in use" in proc.stdout and "fix:" in proc.stdout
+
+
+def test_trainer_profile_writes_a_trace_and_prints_where_the_steps_go(tmp_path, two_epoch_run):
+    """trainer.profile=true on the default run: rank 0 records steps 8-12 (wait 5, warm-up 2,
+    active 5), writes a Chrome/Perfetto trace under run_dir/profile and logs the phase and
+    operator tables; off (the default), nothing is recorded."""
+    import json
+
+    run = tmp_path / "run"
+    proc = run_script("train.py", "trainer.profile=true", "trainer.epochs=1",
+                      "data.batch_size=20", "logger=none", f"run_dir={run}", nproc=2)  # fmt: skip
+    (trace,) = (run / "profile").glob("rank0.step12.pt.trace.json")
+    events = json.loads(trace.read_text())["traceEvents"]
+    names = {e.get("name") for e in events}
+    assert {"forward", "backward", "optimizer", "data"} <= names
+    assert sum(1 for n in names if str(n).startswith("ProfilerStep")) == 5
+    log = (run / "train.log").read_text()
+    assert "profile of rank 0, 5 steps to step 12" in log and "top operators:" in log
+    table = log.split("share of the steps")[1].split("top operators:")[0]
+    shares = dict(re.findall(r"\n(\w+) +([\d.]+)%", table))
+    assert set(shares) == {"data", "forward", "backward", "optimizer", "communication", "other"}
+    assert 50 < sum(float(shares[p]) for p in ("data", "forward", "backward", "optimizer")) <= 100
+    assert "profile of rank 0" in proc.stdout + proc.stderr
+    assert not (two_epoch_run[0] / "profile").exists()  # off by default

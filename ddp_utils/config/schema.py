@@ -56,6 +56,19 @@ class FSDPOptions:
     replicate: int = 1
 
 
+@dataclass
+class ProfilerOptions:
+    """``trainer.profile=true``'s schedule and output (ddp_utils/train/profiler.py)."""
+
+    wait: int = 5  # steps of this process left alone first (start-up, the first batches)
+    warmup: int = 2  # steps traced and thrown away (the profiler's own start)
+    active: int = 5  # steps recorded: the trace and the tables
+    ranks: list[int] = field(default_factory=lambda: [0])  # the global ranks that profile
+    top: int = 15  # rows of the top-operators table
+    record_shapes: bool = False  # input shapes in the trace (more overhead)
+    with_stack: bool = False  # Python stacks in the trace (much more overhead)
+
+
 COMM_HOOKS = ("fp16", "bf16", "powersgd")  # DDP's built-in gradient compression hooks
 
 
@@ -114,6 +127,10 @@ class TrainerConfig:
     # A device's peak FLOP/s in the run's precision, for `mfu`; null = a GPU's datasheet
     # value, else a matmul measured once on this machine (ddp_utils/flops.py)
     peak_flops: float | None = None
+    # torch.profiler on a few steps: a trace under run_dir/profile and the phase and operator
+    # tables in the log (trainer.profiler sets which steps and ranks)
+    profile: bool = False
+    profiler: ProfilerOptions = field(default_factory=ProfilerOptions)
 
 
 @dataclass
@@ -254,6 +271,8 @@ def check_run(cfg: TrainConfig) -> None:
         ("trainer.bucket_cap_mb", t.bucket_cap_mb),
         ("trainer.ema_every_steps", t.ema_every_steps),
         ("trainer.peak_flops", t.peak_flops),
+        ("trainer.profiler.active", t.profiler.active),
+        ("trainer.profiler.top", t.profiler.top),
     ):
         check_positive(key, value)
     check_fraction("trainer.label_smoothing", t.label_smoothing)

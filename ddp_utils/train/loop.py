@@ -38,6 +38,7 @@ from ddp_utils.tasks import blank_batch, draw_predictions
 from ddp_utils.tracking import TrackedRun, environment_text, peak_memory_mb
 from ddp_utils.train.callbacks import Callback, build_callbacks
 from ddp_utils.train.finite import diverged
+from ddp_utils.train.profiler import Profiler, batches
 from ddp_utils.train.resume import resume, save
 from ddp_utils.train.state import (
     Training,
@@ -49,13 +50,14 @@ from ddp_utils.train.state import (
 
 
 def optimizer_step(tr: Training) -> None:
-    if tr.cfg.trainer.grad_clip is not None:
-        tr.scaler.unscale_(tr.optimizer)
-        tr.strategy.clip_grad_norm_(tr.cfg.trainer.grad_clip)
-    tr.scaler.step(tr.optimizer)
-    tr.scaler.update()
-    tr.optimizer.zero_grad(set_to_none=True)
-    tr.scheduler.step()
+    with tr.phase("optimizer"):
+        if tr.cfg.trainer.grad_clip is not None:
+            tr.scaler.unscale_(tr.optimizer)
+            tr.strategy.clip_grad_norm_(tr.cfg.trainer.grad_clip)
+        tr.scaler.step(tr.optimizer)
+        tr.scaler.update()
+        tr.optimizer.zero_grad(set_to_none=True)
+        tr.scheduler.step()
     tr.step += 1
     if tr.ema is not None:
         tr.strategy.update_ema(tr.ema, tr.step, in_warmup=tr.step <= tr.warmup_steps)
@@ -64,13 +66,15 @@ def optimizer_step(tr: Training) -> None:
 def train_step(tr: Training, images: Any, target: Any, scale: float) -> None:
     """Forward, loss, backward of one micro-batch; the loss is summed into ``epoch_totals``."""
     skip_bad = skips_bad_images(tr.cfg.data)
-    batch = tr.task.to_batch(images, target, tr.rt.device, tr.data.preprocess_train, skip_bad)
+    with tr.phase("data"):
+        batch = tr.task.to_batch(images, target, tr.rt.device, tr.data.preprocess_train, skip_bad)
     if skip_bad:  # an unreadable image, skipped: counted apart, ignored
         tr.epoch_totals[2] += batch.skipped
     # Padding duplicates are not real: the task sums over real samples only.
-    with tr.amp():
+    with tr.phase("forward"), tr.amp():
         loss_sum, n_real = tr.task.train_loss(tr.model, batch)
-    tr.scaler.scale(loss_sum / n_real.clamp(min=1) * scale).backward()
+    with tr.phase("backward"):
+        tr.scaler.scale(loss_sum / n_real.clamp(min=1) * scale).backward()
     loss_sum = loss_sum.detach()
     if tr.scaler.is_enabled():
         # fp16: GradScaler skips the steps whose loss overflowed; they are not divergence,
@@ -94,7 +98,7 @@ def train_one_epoch(tr: Training) -> dict[str, float] | None:
     tr.model.train()
     n_batches = len(loader)
     tr.progress.start_epoch(tr.epoch, tr.step, math.ceil(n_batches / accum))
-    for i, (images, target) in enumerate(loader):
+    for i, (images, target) in enumerate(batches(loader, tr.phase)):
         group_start = i - i % accum
         group_len = min(accum, n_batches - group_start)
         last_micro = i == group_start + group_len - 1
@@ -309,7 +313,8 @@ def fit(
         try:
             setup_logging(run.path, rt, "train")
             log.info(run.why)
-            tr = build_training(cfg, rt, run.path, build_callbacks(cfg.callbacks, callbacks))
+            extra = [*callbacks, *([Profiler(cfg.trainer.profiler)] if cfg.trainer.profile else [])]
+            tr = build_training(cfg, rt, run.path, build_callbacks(cfg.callbacks, extra))
             try:
                 train_epochs(tr)
                 if (run.path / "metrics.jsonl").exists():

@@ -30,6 +30,7 @@ from ddp_utils.strategy import Strategy, build_strategy, strategy_class
 from ddp_utils.tasks import Task, build_task, check_task
 from ddp_utils.tracking import Trackers, build_trackers, reset_peak_memory
 from ddp_utils.train.precision import amp_context, resolve_precision, set_numerics
+from ddp_utils.train.profiler import no_phase
 from ddp_utils.train.rng import seed_everything
 from ddp_utils.watchdog import StepWatchdog
 
@@ -115,6 +116,9 @@ class Training:
     # the count is the samples' (classification) or the counted pixels' (segmentation).
     epoch_totals: torch.Tensor
     utilisation: Utilisation  # the model's FLOPs and the device's peak, for `mfu`
+    # The loop's phase marks (data, forward, backward, optimizer): torch.profiler's
+    # record_function while trainer.profile records, else one shared no-op.
+    phase: Callable[[str], AbstractContextManager] = no_phase
     epoch: int = 0  # epochs completed; the one in progress
     step: int = 0  # optimizer steps taken
     sample_offset: int = 0  # positions of this epoch's sample order already trained on
