@@ -26,14 +26,16 @@ from bench import bench_result  # bench/bench.py: bench/ is a folder of scripts
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def ours(world_size: int, extra: list[str], steps: int, every: int, tmp: Path) -> float:
+def ours(world_size: int, extra: list[str], steps: int, every: int,
+         tmp: Path) -> tuple[float, float]:  # fmt: skip
+    """(images/s, mfu): medians over the validation intervals after the first."""
     run = tmp / f"run_{world_size}_{len(list(tmp.glob('run_*')))}"
     torchrun(world_size, "train.py", "experiment=digits_detection", "data.global_batch_size=null",
              f"trainer.max_steps={steps}",
              f"trainer.val_every_steps={every}", f"run_dir={run}", "logger=none",
              "trainer.progress=false", *extra)  # fmt: skip
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    return statistics.median(r["samples_per_s"] for r in rows[1:])
+    return tuple(statistics.median(r[k] for r in rows[1:]) for k in ("samples_per_s", "mfu"))
 
 
 def reference(world_size: int, steps: int, warmup: int) -> float:
@@ -59,24 +61,28 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as t:
         for ws in args.world_sizes:
             runs: dict[str, list[float]] = {"reference loop": []} | {n: [] for n in VARIANTS}
+            mfus: dict[str, list[float]] = {n: [] for n in VARIANTS}
             for _ in range(args.repeats):
                 runs["reference loop"].append(reference(ws, args.steps - args.every, args.every))
                 for name, extra in VARIANTS.items():
-                    runs[name].append(ours(ws, extra, args.steps, args.every, Path(t)))
+                    rate, mfu = ours(ws, extra, args.steps, args.every, Path(t))
+                    runs[name].append(rate)
+                    mfus[name].append(mfu)
             rates = {k: statistics.median(v) for k, v in runs.items()}
-            rows.append({"world_size": ws, "images_per_s": rates, "runs": runs})
+            mfu = {k: statistics.median(v) for k, v in mfus.items()}
+            rows.append({"world_size": ws, "images_per_s": rates, "mfu": mfu, "runs": runs})
             print(ws, runs, flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"rows": rows}, indent=2))
     names = list(rows[0]["images_per_s"])
-    print(
-        "\n| world size | " + " | ".join(f"{n} (images/s)" for n in names) + " | fp32 / reference |"
-    )
-    print("|" + " --- |" * (len(names) + 2))
+    print("\n| world size | " + " | ".join(f"{n} (images/s)" for n in names)
+          + " | fp32 / reference | mfu of each train.py |")  # fmt: skip
+    print("|" + " --- |" * (len(names) + 3))
     for r in rows:
         ips = r["images_per_s"]
         cells = " | ".join(f"{ips[n]:,.0f}" for n in names)
-        print(f"| {r['world_size']} | {cells} | {ips[FP32] / ips['reference loop']:.2f}x |")
+        mfu = " / ".join(f"{100 * v:.1f}%" for v in r["mfu"].values())
+        print(f"| {r['world_size']} | {cells} | {ips[FP32] / ips['reference loop']:.2f}x | {mfu} |")
     print(f"written to {args.out}")
 
 
