@@ -147,12 +147,6 @@ def peak_flops(device: torch.device, precision: str, override: float | None) -> 
     return measured_peak_flops(device, dtype), "a matmul measured on this machine"
 
 
-def mfu(samples_per_s: float, flops_per_sample: float, world_size: int, peak: float) -> float:
-    """The fraction of ``world_size`` devices' peak that training at ``samples_per_s`` (all
-    ranks together) uses."""
-    return samples_per_s * flops_per_sample / (world_size * peak)
-
-
 @dataclass(frozen=True)
 class Utilisation:
     """What a run's MFU is computed from, found once before training."""
@@ -163,7 +157,9 @@ class Utilisation:
     world_size: int
 
     def of(self, samples_per_s: float) -> float:
-        return mfu(samples_per_s, self.flops_per_sample, self.world_size, self.peak)
+        """The MFU of training at ``samples_per_s``, all ranks together: the fraction of the
+        world size's devices' peak that their FLOPs use."""
+        return samples_per_s * self.flops_per_sample / (self.world_size * self.peak)
 
     def describe(self) -> str:
         return (f"{self.flops_per_sample / 1e9:.3g} GFLOP a training sample; peak "

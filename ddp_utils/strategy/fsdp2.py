@@ -157,10 +157,6 @@ class FSDP2Strategy(Strategy):
         super().check(trainer, rt)
         mesh_shape(trainer.fsdp.replicate, rt.world_size, rt.local_world_size)
 
-    def __init__(self, trainer: TrainerConfig, rt: Runtime) -> None:
-        super().__init__(trainer, rt)
-        self.mesh_shape = mesh_shape(trainer.fsdp.replicate, rt.world_size, rt.local_world_size)
-
     def build(self, make: Callable[[], nn.Module]) -> nn.Module:
         """The main rank builds the model whole, in host memory; every other rank on the meta
         device, which allocates nothing: its shards are filled with the main rank's weights
@@ -201,11 +197,13 @@ class FSDP2Strategy(Strategy):
         # The EMA twin is copied before sharding and sharded the same way, so that its
         # shards line up with the model's.
         twin = copy.deepcopy(raw_model) if self.trainer.ema_decay is not None else None
-        names = ("replicate", "shard") if len(self.mesh_shape) == 2 else ("shard",)
-        mesh = init_device_mesh(self.rt.device.type, self.mesh_shape, mesh_dim_names=names)
-        if len(self.mesh_shape) == 2:
-            log.info("fsdp2: %d replica groups of %d ranks, each shard on every group (HSDP)",
-                     *self.mesh_shape)  # fmt: skip
+        shape = mesh_shape(self.trainer.fsdp.replicate, self.rt.world_size,
+                           self.rt.local_world_size)  # fmt: skip
+        names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
+        mesh = init_device_mesh(self.rt.device.type, shape, mesh_dim_names=names)
+        if len(shape) == 2:
+            log.info("fsdp2: %d replica groups of %d ranks, each holding the model sharded "
+                     "over its ranks (HSDP)", *shape)  # fmt: skip
         for module in (raw_model, twin) if twin is not None else (raw_model,):
             self.shard(module, mesh)
             self.fill(module, whole)

@@ -4,7 +4,7 @@
 
 On the ranks ``trainer.profiler.ranks`` (the main rank by default) the steps after
 ``trainer.profiler.wait`` steps and ``warmup`` more are recorded for ``active`` steps. Their
-trace goes to ``run_dir/profile/rank<R>.<time>.pt.trace.json`` (Perfetto, ui.perfetto.dev,
+trace goes to ``run_dir/profile/rank<R>.step<N>.pt.trace.json`` (Perfetto, ui.perfetto.dev,
 or TensorBoard's profiler plugin read it), and the rank logs two tables: the share of the
 recorded steps spent in each phase (data loading, forward, backward, optimizer,
 communication, the rest), and the top operators by their own time. Off, nothing is
@@ -102,9 +102,10 @@ class Profiler(Callback):
             sort_by="self_cuda_time_total" if device else "self_cpu_time_total",
             row_limit=self.options.top,
         )
+        events = prof.events()
+        recorded = sum(1 for e in events if e.name.startswith("ProfilerStep"))
         log.info("profile of rank %d, %d steps to step %d: %s\n%s\ntop operators:\n%s",
-                 tr.rt.rank, self.options.active, tr.step, path,
-                 phase_table(prof.events()), top)  # fmt: skip
+                 tr.rt.rank, recorded, tr.step, path, phase_table(events), top)  # fmt: skip
         self.reported = True
 
 
