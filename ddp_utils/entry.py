@@ -149,10 +149,17 @@ def leave() -> NoReturn:
     (non-daemon threads joined, the atexit handlers: logging, multiprocessing's children, the
     trackers' clients), then exit 0 without tearing down every module, which took 1.5 s of
     every launch with torch, torchvision and torchmetrics loaded (docs/measurements.md)."""
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
-    atexit._run_exitfuncs()  # CPython's own exit runs these the same way
+    # CPython's own exit, in its order: threading's exit hooks first (they tell the workers of
+    # a ThreadPoolExecutor, such as torch.compile's, to finish: joined before them, a run that
+    # compiled never exited), the non-daemon threads joined, then the atexit handlers.
+    shutdown_threads = getattr(threading, "_shutdown", None)
+    if shutdown_threads is not None:
+        shutdown_threads()
+    else:  # an interpreter without it: join what is left
+        for thread in threading.enumerate():
+            if thread is not threading.main_thread() and not thread.daemon:
+                thread.join()
+    atexit._run_exitfuncs()
     exit_now(0)
 
 

@@ -11,7 +11,7 @@ from unittest import mock
 import numpy as np
 import pytest
 import torch
-from conftest import compose_config
+from conftest import ROOT, compose_config
 from torch.utils.data import DistributedSampler
 
 from ddp_utils.config import (
@@ -617,3 +617,21 @@ def test_with_a_global_batch_each_step_takes_the_same_samples_at_any_world_size(
     assert len(two) == 1797 // 120 and all(len(s) == 120 for s in two)
     assert steps(3) == two == steps(4)
     assert steps(3, start=5 * 120) == two[5:]
+
+
+def test_a_finished_script_exits_with_a_thread_pool_alive_and_runs_atexit(tmp_path):
+    """torch.compile leaves a ThreadPoolExecutor behind: ``leave`` must let its workers finish
+    (threading's exit hooks) before joining them, and still run the atexit handlers."""
+    marker = tmp_path / "atexit"
+    code = f"""
+import atexit, concurrent.futures, pathlib
+from ddp_utils.entry import leave
+pool = concurrent.futures.ThreadPoolExecutor(2)
+pool.submit(sum, [1, 2]).result()
+atexit.register(pathlib.Path({str(marker)!r}).write_text, "ran")
+leave()
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, timeout=60,
+                          capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert marker.read_text() == "ran"
