@@ -337,3 +337,23 @@ def test_a_bad_id_in_a_token_shard_names_the_shard_and_its_position(tmp_path):
     (tmp_path / "empty" / "meta.json").write_text((root / "meta.json").read_text())
     with pytest.raises(ConfigError, match=r"no .*/train/\*.bin shards"):
         tokens_cfg(tmp_path / "empty", block_size=16)
+
+
+def test_gpt_attention_under_cpu_bf16_autocast_runs_in_fp32_and_returns_bf16():
+    """The CPU's flash attention backward is slow in bf16: the GPT computes it in fp32 and
+    hands bf16 back, so its output and gradients are fp32 attention's, rounded."""
+    from ddp_utils.models.gpt import attention
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 16, 8, dtype=torch.bfloat16, requires_grad=True) for _ in "qkv")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = attention(q, k, v, 0.0)
+    y.float().sum().backward()
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    want = torch.nn.functional.scaled_dot_product_attention(q32, k32, v32, is_causal=True)
+    want.sum().backward()
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), want, atol=1e-2, rtol=1e-2)
+    for got, ref in ((q.grad, q32.grad), (k.grad, k32.grad), (v.grad, v32.grad)):
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)
