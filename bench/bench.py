@@ -4,10 +4,11 @@ In one run it measures, at each world size, images/s of
 - the tutorial's loop in plain PyTorch (PIL + ToTensor per sample, DistributedSampler, DDP),
 - train.py's loop in full precision, then with bf16 autocast, torch.compile, and both,
 - the raw bound: the same DDP model stepping over batches already in memory,
-each the median of 3 runs of one epoch, plus the time from launching `python train.py` to
-its first training step next to the time to import torch, torchvision and hydra in a bare
-interpreter. Data: ../shared/data/mnist10k when present (8,000 MNIST
-training images), else the synthetic set of the same shape. Writes a JSON file too.
+each the median of 3 runs of one epoch, and each one's model FLOPs utilisation (a second
+table); plus the time from launching `python train.py` to its first training step next to
+the time to import torch, torchvision and hydra in a bare interpreter. Data:
+../shared/data/mnist10k when present (8,000 MNIST training images), else the synthetic set of
+the same shape. Writes a JSON file too.
 """
 
 from __future__ import annotations
@@ -68,12 +69,13 @@ def launch_to_first_step_s(overrides: list[str], device: str) -> float:
     return float(line.split("done ")[1].split(" s")[0])
 
 
-def loops(world_size: int, overrides: list[str], variants: list[str]) -> dict[str, float]:
+def loops(world_size: int, overrides: list[str], variants: list[str]) -> dict[str, dict]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc_per_node={world_size}", str(ROOT / "bench" / "worker.py"),
            "--overrides", *overrides, "--variants", *variants]  # fmt: skip
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env()).stdout
-    return bench_result(out)["images_per_s"]
+    result = bench_result(out)
+    return {"images_per_s": result["images_per_s"], "mfu": result["mfu"]}
 
 
 def table(rows: list[dict]) -> str:
@@ -88,6 +90,18 @@ def table(rows: list[dict]) -> str:
             f"| {r['world_size']} | {cells} | {ips['train.py'] / ips['tutorial']:.2f}x "
             f"| {ips['train.py'] / ips['raw bound']:.2f}x |"
         )
+    return "\n".join(lines)
+
+
+def mfu_table(rows: list[dict]) -> str:
+    """Each column's model FLOPs utilisation (ddp_utils.flops: the ConvNet's FLOPs a sample
+    over the peak of the column's precision; the plain loops are fp32)."""
+    names = list(rows[0]["mfu"])
+    lines = ["| world size | " + " | ".join(f"{n} (mfu)" for n in names) + " |",
+             "|" + " --- |" * (len(names) + 1)]  # fmt: skip
+    for r in rows:
+        cells = " | ".join(f"{100 * r['mfu'][n]:.1f}%" for n in names)
+        lines.append(f"| {r['world_size']} | {cells} |")
     return "\n".join(lines)
 
 
@@ -110,7 +124,7 @@ def main() -> None:
 
         world_sizes = args.world_sizes or [1]
         assert torch.cuda.is_available(), "make bench-gpu needs a CUDA device"
-    rows = [{"world_size": w, "images_per_s": loops(w, overrides, variants)} for w in world_sizes]
+    rows = [{"world_size": w, **loops(w, overrides, variants)} for w in world_sizes]
     imports = statistics.median(bare_import_s() for _ in range(3))
     first_step = statistics.median(launch_to_first_step_s(data, args.device) for _ in range(3))
     report = {
@@ -126,6 +140,7 @@ def main() -> None:
     out.write_text(json.dumps(report, indent=2))
     print(f"data: {data_name}; device: {args.device}; medians of 3 runs of one epoch\n")
     print(table(rows))
+    print("\n" + mfu_table(rows))
     print(
         f"\nlaunch to first training step (python train.py): {first_step:.2f} s; bare "
         f"`{IMPORTS}`: {imports:.2f} s (+{100 * report['launch_overhead']:.0f}%)\nwritten to {out}"

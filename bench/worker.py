@@ -156,13 +156,16 @@ def main() -> None:
         "raw bound": raw_loop(cfg, rt, ds),
     }
     opened: list = []  # train.py's runs, closed at the end
+    usage = {}  # each loop's MFU terms: train.py's own; the fp32 model's for the plain loops
     with tempfile.TemporaryDirectory() as tmp:
         loops["train.py"] = train_py_loop(cfg, rt, Path(tmp) / "main", opened)
+        usage = dict.fromkeys(loops, opened[-1].utilisation)
         for variant in args.variants:
             name, _, extra = variant.partition("=")
             with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
                 vcfg = to_schema(compose("train", overrides=args.overrides + extra.split(",")))
             loops[name] = train_py_loop(vcfg, rt, Path(tmp) / name, opened)
+            usage[name] = opened[-1].utilisation
         for run in loops.values():
             run()  # warm-up: allocator, autotuning, compilation
         times: dict[str, list[float]] = {name: [] for name in loops}
@@ -174,7 +177,9 @@ def main() -> None:
     if rt.is_main:
         n = len(ds)
         result = {name: n / statistics.median(t) for name, t in times.items()}
-        print("BENCH " + json.dumps({"world_size": rt.world_size, "images_per_s": result}))
+        mfu = {name: usage[name].of(ips) for name, ips in result.items()}
+        print("BENCH " + json.dumps({"world_size": rt.world_size, "images_per_s": result,
+                                     "mfu": mfu}))  # fmt: skip
     dist.destroy_process_group()
 
 

@@ -27,6 +27,11 @@ def test_bench_worker_runs_every_loop():
     rates = result["images_per_s"]
     assert set(rates) == {"tutorial", "raw bound", "train.py", "train.py bf16"}
     assert all(rate > 0 for rate in rates.values())
+    assert set(result["mfu"]) == set(rates)  # make bench's second table
+    assert all(0 < mfu < 1 for mfu in result["mfu"].values())
+    from bench import mfu_table
+
+    assert "| 1 | " in mfu_table([result])
 
 
 def test_profile_callback_writes_rank_0s_operator_table(tmp_path):
