@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -118,6 +119,7 @@ def main() -> None:
             walls["train.py"].append(timed(ours, ROOT, env))
             last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
             losses["train.py"].append(last["val/loss"])
+            precision = re.search(r"\| precision (\S+) \|", (run / "train.log").read_text())
             out = tmp / f"theirs{i}"
             theirs = [sys.executable, "train.py", *THEIR_ARGS, f"--out_dir={out}"]
             walls["nanoGPT"].append(timed(theirs, work, env))
@@ -138,12 +140,14 @@ def main() -> None:
         print(f"| {side} | {med[side]:.1f} | {runs} | {loss[side]:.4f} |")
     print(
         f"train.py / nanoGPT wall: {med['train.py'] / med['nanoGPT']:.2f}x; val/loss "
-        f"difference {loss['train.py'] - loss['nanoGPT']:+.4f}"
+        f"difference {loss['train.py'] - loss['nanoGPT']:+.4f}; train.py's precision "
+        f"{precision.group(1) if precision else '?'} (nanoGPT: fp32 on a CPU)"
     )
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "nanogpt.json").write_text(json.dumps(
         {"machine": platform.processor() or platform.machine(), "walls_s": walls,
-         "val_loss": losses, "median_wall_s": med, "median_val_loss": loss}, indent=1))  # fmt: skip
+         "val_loss": losses, "median_wall_s": med, "median_val_loss": loss,
+         "precision": precision.group(1) if precision else None}, indent=1))  # fmt: skip
 
 
 if __name__ == "__main__":
