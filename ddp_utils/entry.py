@@ -146,9 +146,10 @@ def exit_now(code: int) -> NoReturn:
 
 def leave() -> NoReturn:
     """A script's end after it finished: what the interpreter's exit does that matters
-    (non-daemon threads joined, the atexit handlers: logging, multiprocessing's children, the
-    trackers' clients), then exit 0 without tearing down every module, which took 1.5 s of
-    every launch with torch, torchvision and torchmetrics loaded (docs/measurements.md)."""
+    (threading's exit hooks, non-daemon threads joined, the atexit handlers: logging,
+    multiprocessing's children, the trackers' clients), then exit 0 without tearing down every
+    module, which took 1.5 s of every launch with torch, torchvision and torchmetrics loaded
+    (docs/measurements.md)."""
     # CPython's own exit, in its order: threading's exit hooks first (they tell the workers of
     # a ThreadPoolExecutor, such as torch.compile's, to finish: joined before them, a run that
     # compiled never exited), the non-daemon threads joined, then the atexit handlers.
