@@ -46,6 +46,13 @@ def bench_result(stdout: str) -> dict:
     return json.loads(line[len("BENCH ") :])
 
 
+def interval_medians(run: Path, *keys: str) -> tuple[float, ...]:
+    """Medians of ``keys`` over a train.py run's metrics.jsonl records after the first (its
+    first validation interval holds start-up and warm-up)."""
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return tuple(statistics.median(r[k] for r in rows[1:]) for k in keys)
+
+
 def save_rows(path: Path, rows: list[dict], header: str) -> None:
     """A benchmark's rows as JSON at ``path``; then the Markdown table's ``header`` (its
     column names and rule), whose rows the caller prints."""

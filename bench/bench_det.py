@@ -21,7 +21,7 @@ from pathlib import Path
 
 from bench_lm import torchrun
 
-from bench import bench_result  # bench/bench.py: bench/ is a folder of scripts
+from bench import bench_result, interval_medians  # bench/bench.py: bench/ is a folder of scripts
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,8 +34,7 @@ def ours(world_size: int, extra: list[str], steps: int, every: int,
              f"trainer.max_steps={steps}",
              f"trainer.val_every_steps={every}", f"run_dir={run}", "logger=none",
              "trainer.progress=false", *extra)  # fmt: skip
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    return tuple(statistics.median(r[k] for r in rows[1:]) for k in ("samples_per_s", "mfu"))
+    return interval_medians(run, "samples_per_s", "mfu")
 
 
 def reference(world_size: int, steps: int, warmup: int) -> float:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -24,7 +23,8 @@ from pathlib import Path
 import numpy as np
 from devices import ours_device
 
-from bench import bench_result, env  # bench/bench.py: bench/ is a folder of scripts
+# bench/bench.py: bench/ is a folder of scripts
+from bench import bench_result, env, interval_medians
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -65,8 +65,7 @@ def ours(world_size: int, root: Path, extra: list[str], steps: int, every: int,
              "data.global_batch_size=null",
              f"trainer.max_steps={steps}", f"trainer.val_every_steps={every}", f"run_dir={run}",
              "logger=none", "trainer.progress=false", *extra)  # fmt: skip
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    return tuple(statistics.median(r[k] for r in rows[1:]) for k in ("tokens_per_s", "mfu"))
+    return interval_medians(run, "tokens_per_s", "mfu")
 
 
 def baseline(world_size: int, root: Path, vocab: int, steps: int) -> float:

@@ -156,9 +156,9 @@ def main() -> None:
         "raw bound": raw_loop(cfg, rt, ds),
     }
     opened: list = []  # train.py's runs, closed at the end
-    usage = {}  # each loop's MFU terms: train.py's own; the fp32 model's for the plain loops
     with tempfile.TemporaryDirectory() as tmp:
         loops["train.py"] = train_py_loop(cfg, rt, Path(tmp) / "main", opened)
+        # Each loop's MFU terms: train.py's own; the fp32 model's for the plain loops.
         usage = dict.fromkeys(loops, opened[-1].utilisation)
         for variant in args.variants:
             name, _, extra = variant.partition("=")

@@ -153,13 +153,7 @@ def leave() -> NoReturn:
     # CPython's own exit, in its order: threading's exit hooks first (they tell the workers of
     # a ThreadPoolExecutor, such as torch.compile's, to finish: joined before them, a run that
     # compiled never exited), the non-daemon threads joined, then the atexit handlers.
-    shutdown_threads = getattr(threading, "_shutdown", None)
-    if shutdown_threads is not None:
-        shutdown_threads()
-    else:  # an interpreter without it: join what is left
-        for thread in threading.enumerate():
-            if thread is not threading.main_thread() and not thread.daemon:
-                thread.join()
+    threading._shutdown()
     atexit._run_exitfuncs()
     exit_now(0)
 

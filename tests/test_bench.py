@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -237,3 +238,12 @@ def test_benchmarks_run_both_sides_on_one_device(monkeypatch):
     monkeypatch.setenv("DEVICE", "gpu")
     with pytest.raises(SystemExit, match="DEVICE=gpu: choose one of cpu, cuda"):
         devices.bench_device()
+
+
+def test_interval_medians_leave_out_the_first_validation_interval(tmp_path):
+    from bench import interval_medians
+
+    rows = [{"samples_per_s": 1.0, "mfu": 0.01}, {"samples_per_s": 10.0, "mfu": 0.2},
+            {"samples_per_s": 30.0, "mfu": 0.4}, {"samples_per_s": 20.0, "mfu": 0.3}]  # fmt: skip
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert interval_medians(tmp_path, "samples_per_s", "mfu") == (20.0, 0.3)

@@ -635,3 +635,22 @@ leave()
                           capture_output=True, text=True)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert marker.read_text() == "ran"
+
+
+def test_profiler_ranks_outside_the_world_are_named_and_profile_nothing(tmp_path, caplog):
+    from types import SimpleNamespace
+
+    from ddp_utils.config.schema import ProfilerOptions
+    from ddp_utils.train.profiler import Profiler, no_phase
+
+    rt = SimpleNamespace(rank=0, world_size=2, is_main=True, device=torch.device("cpu"))
+    tr = SimpleNamespace(rt=rt, run_dir=tmp_path, phase=no_phase)
+    profiler = Profiler(ProfilerOptions(ranks=[4]))
+    with caplog.at_level("WARNING"):
+        profiler.on_train_start(tr)
+    assert "trainer.profiler.ranks=[4] names no rank of world size 2" in caplog.text
+    assert "name ranks from 0 to 1" in caplog.text
+    assert profiler.prof is None and tr.phase is no_phase
+    caplog.clear()
+    Profiler(ProfilerOptions(ranks=[1])).on_train_start(tr)  # rank 1 exists: no warning
+    assert "names no rank" not in caplog.text

@@ -61,6 +61,10 @@ class Profiler(Callback):
 
     def on_train_start(self, tr: Training) -> None:
         o = self.options
+        if tr.rt.is_main and not any(0 <= r < tr.rt.world_size for r in o.ranks):
+            log.warning("trainer.profile: trainer.profiler.ranks=%s names no rank of world size "
+                        "%d, so nothing is profiled; name ranks from 0 to %d", list(o.ranks),
+                        tr.rt.world_size, tr.rt.world_size - 1)  # fmt: skip
         if tr.rt.rank not in o.ranks:
             return
         folder = tr.run_dir / "profile"
