@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from ddp_utils.config import ConfigError, TrainConfig, whole_sentences
-from ddp_utils.dist import Runtime
+from ddp_utils.dist import Runtime, checkpoint_group
 from ddp_utils.files import atomic_save, atomic_write, writing_into
 from ddp_utils.models import build_model
 from ddp_utils.run import write_on_main
@@ -134,12 +134,18 @@ def removed_on_failure(folder: Path, owner: bool = True) -> Iterator[None]:
 
 
 def save_sharded(
-    state: dict[str, Any], ckpt_dir: Path, also: tuple[str, ...], keep_last: int, rt: Runtime
+    state: dict[str, Any],
+    ckpt_dir: Path,
+    also: tuple[str, ...],
+    keep_last: int,
+    rt: Runtime,
+    timeout_s: float = 1800.0,
 ) -> Path:
     """Every rank: write its shards of ``state``'s model, optimizer and EMA (and the main rank
     the rest) into ``step_<N>.dcp/``, renamed into place once complete; ``last.dcp`` then links
     to it, each name in ``also`` (``best.pt`` is ``best.dcp``) gets a copy, and all but the
-    newest ``keep_last`` step folders go."""
+    newest ``keep_last`` step folders go. DCP's collectives wait ``timeout_s`` for the
+    slowest rank's write (``trainer.checkpoint.timeout_s``), not the training group's timeout."""
     import torch.distributed.checkpoint as dcp
 
     path = ckpt_dir / f"step_{state['step']:08d}{SHARDED_SUFFIX}"
@@ -147,7 +153,8 @@ def save_sharded(
     write_on_main(ckpt_dir.parent, rt, lambda: (remove(tmp), tmp.mkdir(parents=True)))
     shards = {k: state[k] for k in SHARDED_KEYS if k in state}
     with removed_on_failure(tmp, rt.is_main), writing_into(ckpt_dir.parent):
-        dcp.save(shards, checkpoint_id=tmp)  # every rank its own file; raises on every rank
+        # every rank its own file; raises on every rank
+        dcp.save(shards, checkpoint_id=tmp, process_group=checkpoint_group(timeout_s))
 
     def publish_folder() -> None:
         plain = {k: v for k, v in state.items() if k not in shards}

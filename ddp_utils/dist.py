@@ -60,7 +60,9 @@ class LaunchEnv:
     master_addr: str | None = None
     master_port: int | None = None
     run_id: str | None = None
-    slurm_tasks: bool = False  # one process per SLURM task (srun), each bound to its own GPUs
+    # One process per task, each possibly bound to GPUs of its own: srun's tasks, or ranks a
+    # job script exported itself (no LOCAL_WORLD_SIZE, which torchrun always sets)
+    slurm_tasks: bool = False
     cpus_per_task: int | None = None  # SLURM_CPUS_PER_TASK of such a task
 
     @property
@@ -74,14 +76,19 @@ def read_launch_env(env: Mapping[str, str] | None = None) -> LaunchEnv:
     env = os.environ if env is None else env
     if "RANK" in env and "WORLD_SIZE" in env:
         world_size = int(env["WORLD_SIZE"])
+        # torchrun always sets LOCAL_WORLD_SIZE. Without it, a job script exported the ranks
+        # itself (srun, mpirun, a Kubernetes pod), possibly with a GPU bound to each process
+        # (--gpus-per-task=1): each then takes a device it sees, as srun's own tasks do.
+        own_launch = "LOCAL_WORLD_SIZE" not in env
         return LaunchEnv(
             rank=int(env["RANK"]),
             local_rank=int(env.get("LOCAL_RANK", "0")),
             world_size=world_size,
-            local_world_size=int(env.get("LOCAL_WORLD_SIZE", str(world_size))),
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE") or tasks_per_node(env, world_size)),
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
             master_port=int(env.get("MASTER_PORT", "29500")),
             run_id=env.get("TORCHELASTIC_RUN_ID"),
+            slurm_tasks=own_launch,
         )
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         return read_slurm_env(env)
@@ -93,8 +100,7 @@ def read_slurm_env(env: Mapping[str, str]) -> LaunchEnv:
     master on the job's first node (MASTER_ADDR and MASTER_PORT override)."""
     job_id = env.get("SLURM_JOB_ID", "0")
     world_size = int(env["SLURM_NTASKS"])
-    per_node = env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE", "")
-    local_world = int(per_node.split("(")[0].split(",")[0]) if per_node else world_size
+    local_world = tasks_per_node(env, world_size)
     nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", "127.0.0.1")
     return LaunchEnv(
         rank=int(env["SLURM_PROCID"]),
@@ -108,6 +114,12 @@ def read_slurm_env(env: Mapping[str, str]) -> LaunchEnv:
         slurm_tasks=True,
         cpus_per_task=int(env["SLURM_CPUS_PER_TASK"]) if env.get("SLURM_CPUS_PER_TASK") else None,
     )
+
+
+def tasks_per_node(env: Mapping[str, str], world_size: int) -> int:
+    """SLURM's tasks on this node (its first count: ``4(x2)`` -> 4), else ``world_size``."""
+    per_node = env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE", "")
+    return int(per_node.split("(")[0].split(",")[0]) if per_node else world_size
 
 
 def first_host(nodelist: str) -> str:
@@ -147,6 +159,31 @@ NCCL_GRACE_S = 60.0
 def group_timeout(cfg: TrainerConfig, backend: str) -> timedelta:
     extra = NCCL_GRACE_S if "nccl" in backend else 0.0
     return timedelta(seconds=cfg.timeout_s + extra)
+
+
+def side_group_timeout(cfg: TrainerConfig) -> timedelta:
+    """The timeout of a gloo group beside the main one (the stop poll's): longer than the step
+    watchdog's ``trainer.timeout_s``, as NCCL's is, so that a stall is reported by the
+    watchdog, naming what was stuck, not by a side group's collective timing out first."""
+    return timedelta(seconds=cfg.timeout_s + NCCL_GRACE_S)
+
+
+_CHECKPOINT_GROUPS: dict[tuple[int, float], dist.ProcessGroup] = {}
+
+
+def checkpoint_group(timeout_s: float) -> dist.ProcessGroup | None:
+    """A gloo group with ``timeout_s`` (``trainer.checkpoint.timeout_s``) for a sharded save's
+    collectives: a slow file system can hold one rank's write far longer than the training
+    group's timeout, which would end the others' wait in DCP's final gather. Every rank calls
+    it at the same save; made once per default group. None without a group of several."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    key = (id(dist.group.WORLD), timeout_s)
+    if key not in _CHECKPOINT_GROUPS:
+        _CHECKPOINT_GROUPS.clear()  # a previous group's are gone with it
+        _CHECKPOINT_GROUPS[key] = dist.new_group(backend="gloo",
+                                                 timeout=timedelta(seconds=timeout_s))  # fmt: skip
+    return _CHECKPOINT_GROUPS[key]
 
 
 def launch_store(launch: LaunchEnv, timeout: timedelta) -> dist.Store:

@@ -96,7 +96,7 @@ def run_eval(cfg: DictConfig, implied: Sequence[str] = ()) -> dict[str, Any]:
     loader, preprocess, classes = build_eval_data(data, rt, train_cfg.seed, channels_last)
     check_classes(ckpt.get("classes"), classes, checkpoint, data)
     precision = resolve_precision(train_cfg.trainer.precision, rt.device, train_cfg.model)
-    set_numerics(train_cfg.trainer, rt.device)
+    set_numerics(train_cfg.trainer, rt.device, task.fixed_input_shapes)
     model.to(rt.device, memory_format=memory_format_of(channels_last))
     metrics = build_metrics(train_cfg.task, task, rt.device)
     # A head for another class count, or a metric that cannot take its output, stops here.

@@ -27,9 +27,11 @@ from torch import nn
 # Dense peak tera-FLOP/s of one GPU, by a substring of its name (the first that matches):
 # (bf16/fp16 tensor cores, tf32, fp32). Datasheet values without sparsity.
 GPU_PEAK_TFLOPS: tuple[tuple[str, tuple[float, float, float]], ...] = (
+    ("H200 NVL", (835.0, 417.5, 60.0)),
     ("H200", (989.0, 494.7, 67.0)),
+    ("H100 NVL", (835.0, 417.5, 60.0)),
     ("H100 PCIe", (756.0, 378.0, 51.0)),
-    ("H100", (989.0, 494.7, 67.0)),  # SXM (and NVL per GPU)
+    ("H100", (989.0, 494.7, 67.0)),  # SXM
     ("GH200", (989.0, 494.7, 67.0)),
     ("B200", (2250.0, 1100.0, 80.0)),
     ("A100", (312.0, 156.0, 19.5)),
@@ -133,13 +135,16 @@ def measured_peak_flops(device: torch.device, dtype: torch.dtype) -> float:
     return float(cached[key])
 
 
-def peak_flops(device: torch.device, precision: str, override: float | None) -> tuple[float, str]:
-    """(FLOP/s one device can do at most in ``precision``, where the number comes from)."""
+def peak_flops(
+    device: torch.device, precision: str, override: float | None, tf32: bool = False
+) -> tuple[float, str]:
+    """(FLOP/s one device can do at most in ``precision``, where the number comes from).
+    ``tf32``: whether the run's fp32 matmuls use TF32 (its ``BackendFlags``; torch's own
+    switches are not read back, see ``hardware.apply_backend_flags``)."""
     if override is not None:
         return override, "trainer.peak_flops"
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        tf32 = torch.backends.cuda.matmul.allow_tf32
         listed = gpu_peak_flops(name, precision, tf32)
         if listed is not None:
             return listed, f"the datasheet of {name}"

@@ -171,16 +171,23 @@ class BackendFlags:
     deterministic: bool  # torch.use_deterministic_algorithms and cuDNN's deterministic mode
 
 
-def backend_flags(device_type: str, deterministic: bool) -> BackendFlags:
-    """On CUDA: cuDNN autotuning and TF32 on, as the references run, unless
-    ``trainer.deterministic``, which turns both off. On a CPU neither exists."""
+def backend_flags(
+    device_type: str, deterministic: bool, fixed_input_shapes: bool = True
+) -> BackendFlags:
+    """On CUDA: TF32 on, and cuDNN autotuning where the inputs keep one shape (a task whose
+    images vary in size, detection's, would autotune again for every new shape, as
+    torchvision's detection reference avoids), unless ``trainer.deterministic``, which turns
+    both off. On a CPU neither exists."""
     fast = device_type == "cuda" and not deterministic
-    return BackendFlags(cudnn_benchmark=fast, tf32=fast, deterministic=deterministic)
+    return BackendFlags(cudnn_benchmark=fast and fixed_input_shapes, tf32=fast,
+                        deterministic=deterministic)  # fmt: skip
 
 
 def apply_backend_flags(flags: BackendFlags, device_type: str) -> None:
     """Set ``flags`` in torch. Only CUDA's switches: a CPU run's numbers stay unchanged."""
     if device_type == "cuda":
+        # Only torch's fp32_precision switches, never the legacy allow_tf32 ones: reading or
+        # setting a legacy one after a new one raises ("mix of the legacy and new APIs").
         torch.backends.cudnn.benchmark = flags.cudnn_benchmark
         torch.backends.cudnn.deterministic = flags.deterministic
         precision = "tf32" if flags.tf32 else "ieee"

@@ -20,6 +20,7 @@ from ddp_utils.dist import (
     pick_backend,
     pick_device,
     read_launch_env,
+    side_group_timeout,
 )
 from ddp_utils.hardware import (
     Cuda,
@@ -127,6 +128,35 @@ def test_cudnn_autotuning_and_tf32_on_cuda_unless_deterministic():
     assert (exact.cudnn_benchmark, exact.tf32, exact.deterministic) == (False, False, True)
     cpu = backend_flags("cpu", deterministic=False)
     assert (cpu.cudnn_benchmark, cpu.tf32) == (False, False)
+    # Inputs of varying shapes (detection's images): autotuning would run for every new one.
+    varying = backend_flags("cuda", deterministic=False, fixed_input_shapes=False)
+    assert (varying.cudnn_benchmark, varying.tf32) == (False, True)
+
+
+def test_ranks_a_job_script_exported_itself_take_the_gpu_each_sees():
+    # srun --gpus-per-task=1 running `RANK=$SLURM_PROCID ... python train.py`: no
+    # LOCAL_WORLD_SIZE (torchrun's), and each process sees the one GPU bound to it.
+    env = {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "MASTER_ADDR": "node1"}
+    one = Cuda(usable=True, device_count=1, capability=(9, 0))
+    assert pick_device(TrainerConfig(), read_launch_env(env), one) == torch.device("cuda", 0)
+    # ... or all of the node's: the local rank's, as under torchrun
+    four = Cuda(usable=True, device_count=4, capability=(9, 0))
+    assert pick_device(TrainerConfig(), read_launch_env(env), four) == torch.device("cuda", 1)
+    slurm = env | {"SLURM_NTASKS_PER_NODE": "4"}
+    assert read_launch_env(slurm).local_world_size == 4
+    # torchrun's workers still refuse more processes than GPUs.
+    torchrun = env | {"LOCAL_WORLD_SIZE": "4"}
+    with pytest.raises(ConfigError, match="--nproc_per_node=1"):
+        pick_device(TrainerConfig(), read_launch_env(torchrun), one)
+
+
+def test_nvl_parts_have_their_own_lower_peak():
+    from ddp_utils.flops import gpu_peak_flops
+
+    assert gpu_peak_flops("NVIDIA H100 NVL", "bf16", True) < gpu_peak_flops(
+        "NVIDIA H100 80GB HBM3", "bf16", True)  # fmt: skip
+    assert gpu_peak_flops("NVIDIA H200 NVL", "32", False) < gpu_peak_flops(
+        "NVIDIA H200", "32", False)  # fmt: skip
 
 
 def test_applying_the_flags_sets_torch_and_a_cpu_run_leaves_cudas_switches():
@@ -161,6 +191,8 @@ def test_applying_the_flags_sets_torch_and_a_cpu_run_leaves_cudas_switches():
 def test_nccl_waits_longer_than_the_step_watchdog_and_gloo_as_configured():
     t = TrainerConfig(timeout_s=300)
     assert group_timeout(t, "gloo") == timedelta(seconds=300)
+    # the stop poll's gloo group: the watchdog reports a stall before it times out
+    assert side_group_timeout(t) > timedelta(seconds=300)
     assert group_timeout(t, "nccl") > timedelta(seconds=300)
     assert group_timeout(t, "cpu:gloo,cuda:nccl") == group_timeout(t, "nccl")
 

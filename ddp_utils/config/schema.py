@@ -73,6 +73,15 @@ COMM_HOOKS = ("fp16", "bf16", "powersgd")  # DDP's built-in gradient compression
 
 
 @dataclass
+class CheckpointOptions:
+    """Where and how checkpoints are written (ddp_utils/checkpoint.py)."""
+
+    # How long a sharded (fsdp2) save's collectives wait for the slowest rank's write: a slow
+    # file system can take far longer than trainer.timeout_s for a large model
+    timeout_s: float = 1800.0
+
+
+@dataclass
 class DDPOptions:
     """``trainer.strategy=ddp``'s gradient communication (ddp_utils/strategy/ddp.py)."""
 
@@ -103,6 +112,10 @@ class TrainerConfig:
     # A rank that makes no progress this long stops the job (the step watchdog); also the
     # rendezvous and collective timeout (NCCL's: a minute longer, docs/gpus.md)
     timeout_s: float = 300.0
+    # How often the ranks agree on a stop signal (SIGTERM, Ctrl-C, SIGUSR1/2) or a diverged
+    # loss: every rank stops at the same step, at most about twice this after the signal; one
+    # small all-reduce this often instead of every step (docs/resume.md)
+    stop_poll_s: float = 0.5
     log_every_steps: int = 50
     # NHWC activations: auto = on for CUDA (tensor-core convolutions), off on a CPU (measured
     # slower there) | true | false
@@ -120,6 +133,7 @@ class TrainerConfig:
     progress: str = "auto"  # auto (a bar when stderr is a terminal) | true | false
     ckpt_every_steps: int | None = None  # step checkpoints; null = only at epoch ends
     keep_last: int = 2  # newest step checkpoints kept (best.pt and last.pt besides)
+    checkpoint: CheckpointOptions = field(default_factory=CheckpointOptions)
     label_smoothing: float = 0.0
     ema_decay: float | None = None  # EMA of the weights (references' adjustment); null = off
     ema_every_steps: int = 32
@@ -265,6 +279,8 @@ def check_run(cfg: TrainConfig) -> None:
         ("trainer.grad_accum_steps", t.grad_accum_steps),
         ("trainer.grad_clip", t.grad_clip),
         ("trainer.timeout_s", t.timeout_s),
+        ("trainer.stop_poll_s", t.stop_poll_s),
+        ("trainer.checkpoint.timeout_s", t.checkpoint.timeout_s),
         ("trainer.log_every_steps", t.log_every_steps),
         ("trainer.ckpt_every_steps", t.ckpt_every_steps),
         ("trainer.keep_last", t.keep_last),

@@ -288,4 +288,5 @@ class FSDP2Strategy(Strategy):
         self, state: dict[str, Any], ckpt_dir: Path, also: tuple[str, ...], keep_last: int
     ) -> Path:
         """Every rank writes its shards of the model, optimizer and EMA into one folder."""
-        return save_sharded(state, ckpt_dir, also, keep_last, self.rt)
+        return save_sharded(state, ckpt_dir, also, keep_last, self.rt,
+                            self.trainer.checkpoint.timeout_s)  # fmt: skip

@@ -109,6 +109,12 @@ class Task:
     # Whether train_loss runs on a model in eval mode, where the check before the first step
     # calls it (nothing moves there); torchvision's detectors make losses in training mode only.
     loss_in_eval_mode: bool = True
+    # Whether every batch's inputs have one shape: cuDNN's autotuning pays off only then (a
+    # new shape is tuned anew); detection's images keep their own sizes.
+    fixed_input_shapes: bool = True
+    # What of the task's models has no deterministic CUDA kernel (torch only warns for it
+    # under trainer.deterministic=true): named in the run's first lines; None: nothing known.
+    nondeterministic_on_cuda: str | None = None
 
     def to_batch(self, images: Any, target: Any, device: torch.device, preprocess: nn.Module,
                  skip_bad: bool = False, all_real: bool = False) -> Batch:  # fmt: skip

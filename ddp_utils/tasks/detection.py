@@ -84,6 +84,7 @@ class Detection(Task):
     mAP@75 and per-class AP (``map_per_class``)."""
 
     loss_in_eval_mode = False  # a torchvision detector gives losses in training mode only
+    fixed_input_shapes = False  # each image keeps its size (torchvision's detection reference)
 
     def __init__(self, num_classes: int, coco_summary: bool = False) -> None:
         self.num_classes, self.coco_summary = num_classes, coco_summary

@@ -52,6 +52,10 @@ def pixel_loss_sum(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 class Segmentation(Task):
     """``task=segmentation``: logits (N, num_classes, H, W) against masks (N, H, W)."""
 
+    # The models bring their logits to the mask's size with bilinear upsampling, whose CUDA
+    # backward (atomic adds) has no deterministic kernel.
+    nondeterministic_on_cuda = "bilinear upsampling's backward (upsample_bilinear2d)"
+
     def __init__(self, num_classes: int, image_size: int, aux_weight: float = 0.5) -> None:
         self.num_classes, self.image_size, self.aux_weight = num_classes, image_size, aux_weight
 

@@ -12,6 +12,7 @@ import torch
 
 from ddp_utils.config import TrainerConfig
 from ddp_utils.hardware import (
+    BackendFlags,
     Cuda,
     apply_backend_flags,
     auto_precision,
@@ -49,8 +50,12 @@ def amp_context(precision: str, device: torch.device) -> Callable[[], AbstractCo
     return lambda: torch.autocast(device_type=device.type, dtype=dtype)
 
 
-def set_numerics(trainer: TrainerConfig, device: torch.device) -> None:
-    """cuDNN autotuning and TF32 on CUDA (off with ``trainer.deterministic``), and torch's
-    deterministic algorithms with it: set for every run, so a sweep's jobs do not inherit the
-    previous job's."""
-    apply_backend_flags(backend_flags(device.type, trainer.deterministic), device.type)
+def set_numerics(
+    trainer: TrainerConfig, device: torch.device, fixed_input_shapes: bool = True
+) -> BackendFlags:
+    """cuDNN autotuning (for inputs of ``fixed_input_shapes``, the task says) and TF32 on CUDA
+    (off with ``trainer.deterministic``), and torch's deterministic algorithms with it: set for
+    every run, so a sweep's jobs do not inherit the previous job's. Returns what was set."""
+    flags = backend_flags(device.type, trainer.deterministic, fixed_input_shapes)
+    apply_backend_flags(flags, device.type)
+    return flags

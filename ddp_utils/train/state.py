@@ -7,7 +7,6 @@ import math
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,7 @@ from torchmetrics import MetricCollection
 
 from ddp_utils.config import ConfigError, TrainConfig, TrainerConfig, as_plain_dict
 from ddp_utils.data import DataBundle, build_data
-from ddp_utils.dist import Runtime
+from ddp_utils.dist import Runtime, side_group_timeout
 from ddp_utils.flops import Utilisation, peak_flops, training_flops_per_sample
 from ddp_utils.metrics import build_metrics
 from ddp_utils.models import build_model
@@ -190,19 +189,18 @@ def build_training(cfg: TrainConfig, rt: Runtime, run_dir: Path, callbacks: Any)
     """Every rank: the model, data, optimizer and the helpers of one run (the stop request
     creates a process group, so all ranks must call this). ``cfg`` has a resolved precision."""
     t = cfg.trainer
-    set_numerics(t, rt.device)
-    reset_peak_memory(rt.device)
+    task = build_task(cfg)
+    peak = prepare_device(t, rt, task)
     # The same seed on every rank for the weights (DDP also broadcasts rank 0's), then a
     # per-rank seed so augmentation and dropout differ between ranks.
     seed_everything(cfg.seed)
-    task = build_task(cfg)
     strategy = build_strategy(t, rt)
     strategy.wrap(strategy.build(lambda: build_model(cfg.model, cfg.data, task.num_outputs())))
     raw_model = strategy.raw_model
     metrics = build_metrics(cfg.task, task, rt.device)
     forward_flops = check_task(task, raw_model, metrics, cfg, rt.device,
                                amp_context(t.precision, rt.device))  # fmt: skip
-    usage = utilisation(raw_model, forward_flops, t, rt)
+    usage = utilisation(raw_model, forward_flops, peak, rt)
     seed_everything(cfg.seed + rt.rank)
     data = build_data(cfg.data, rt, seed=cfg.seed, channels_last=t.channels_last)
     check_batch_sizes(raw_model, data.train_sampler, cfg.data.batch_size, rt)
@@ -224,7 +222,7 @@ def build_training(cfg: TrainConfig, rt: Runtime, run_dir: Path, callbacks: Any)
         amp=amp_context(t.precision, rt.device),
         ema=build_ema(cfg, rt, strategy),
         total_steps=total_steps,
-        stop=StopRequest(timedelta(seconds=t.timeout_s)),
+        stop=StopRequest(side_group_timeout(t), t.stop_poll_s),
         watchdog=StepWatchdog(t.timeout_s, rt.rank),
         progress=Progress(
             t.progress,
@@ -242,12 +240,26 @@ def build_training(cfg: TrainConfig, rt: Runtime, run_dir: Path, callbacks: Any)
     )
 
 
+def prepare_device(t: TrainerConfig, rt: Runtime, task: Task) -> tuple[float, str]:
+    """The device's switches before the model is built (TF32 and cuDNN's autotuning on CUDA,
+    as the task's inputs allow; determinism), its peak-memory counter, and its peak FLOP/s in
+    the run's precision (with the source of that number), which ``mfu`` divides by. It asks the
+    device nothing that needs a tensor on it, so a CPU test runs it with CUDA faked, in this
+    order (tests/test_cuda_startup_units.py)."""
+    flags = set_numerics(t, rt.device, task.fixed_input_shapes)
+    if t.deterministic and rt.device.type == "cuda" and task.nondeterministic_on_cuda:
+        log.warning("trainer.deterministic=true: %s has no deterministic CUDA kernel; torch "
+                    "warns when it runs, and two runs can differ in the last bits",
+                    task.nondeterministic_on_cuda)  # fmt: skip
+    reset_peak_memory(rt.device)
+    return peak_flops(rt.device, t.precision, t.peak_flops, flags.tf32)
+
+
 def utilisation(
-    model: nn.Module, forward_flops: float, t: TrainerConfig, rt: Runtime
+    model: nn.Module, forward_flops: float, peak: tuple[float, str], rt: Runtime
 ) -> Utilisation:
     """The model's training FLOPs a sample and the device's peak: what ``mfu`` divides."""
-    peak, source = peak_flops(rt.device, t.precision, t.peak_flops)
-    usage = Utilisation(training_flops_per_sample(model, forward_flops), peak, source,
+    usage = Utilisation(training_flops_per_sample(model, forward_flops), *peak,
                         rt.world_size)  # fmt: skip
     log.info("model FLOPs: %s", usage.describe())
     return usage

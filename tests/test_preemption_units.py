@@ -1,0 +1,53 @@
+"""The stop poll in a real gloo group: every rank stops at the same step whichever rank got
+the signal and however unevenly the ranks step, with one all-reduce every ``stop_poll_s``
+rather than every step."""
+
+from __future__ import annotations
+
+import signal
+import time
+from datetime import timedelta
+
+import pytest
+from conftest import in_gloo_group
+
+
+def _stop_step(rank: int, world: int, signalled: int, at: int, every_s: float) -> dict:
+    import torch.distributed as dist
+
+    from ddp_utils.preemption import StopRequest
+
+    stop = StopRequest(timedelta(seconds=30), every_s)
+    stop.begin()
+    stopped = None
+    for step in range(1, 2000):
+        time.sleep(0.001 * (1 + rank))  # ranks of different speeds
+        if rank == signalled and step == at:
+            stop.signum = signal.SIGTERM  # what the handler records
+        if stop.poll():
+            stopped = step
+            break
+    reduces = stop.reduces
+    stop.close()
+    found = [None] * world
+    dist.all_gather_object(found, (stopped, stop.signum, reduces))
+    return {"steps": [f[0] for f in found], "signals": [f[1] for f in found],
+            "reduces": [f[2] for f in found]}  # fmt: skip
+
+
+@pytest.mark.parametrize(("signalled", "at"), [(0, 40), (2, 97)])
+def test_every_rank_stops_at_the_same_step_with_a_reduce_every_poll_interval(
+    tmp_path, signalled, at
+):
+    got = in_gloo_group(_stop_step, 3, tmp_path, signalled, at, 0.05)
+    steps = got["steps"]
+    assert steps[0] is not None and len(set(steps)) == 1, steps
+    assert steps[0] > at  # agreed later than the signal, never before it
+    assert got["signals"] == [int(signal.SIGTERM)] * 3
+    # Steps of 3 ms (the slowest rank) polled about every 50 ms: far fewer reduces than steps.
+    assert len(set(got["reduces"])) == 1 and got["reduces"][0] < steps[0] / 3
+
+
+def test_a_poll_every_step_still_agrees(tmp_path):
+    got = in_gloo_group(_stop_step, 2, tmp_path, 1, 5, 0.0)
+    assert got["steps"][0] == got["steps"][1] and got["steps"][0] in (6, 7)
