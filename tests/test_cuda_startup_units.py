@@ -61,8 +61,12 @@ def fake_cuda(name: str, capability: tuple[int, int], count: int = 8) -> Iterato
         finally:
             shutdown()
             torch.use_deterministic_algorithms(False)
-            (torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision,
-             torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic) = torch_flags
+            (
+                torch.backends.cuda.matmul.fp32_precision,
+                torch.backends.cudnn.conv.fp32_precision,
+                torch.backends.cudnn.benchmark,
+                torch.backends.cudnn.deterministic,
+            ) = torch_flags
 
 
 def start_up(cfg: TrainConfig) -> dict:
