@@ -6,6 +6,8 @@ import json
 import os
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -221,6 +223,60 @@ def test_gpu_check_skips_cleanly_without_a_gpu():
                           text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("gpu-check: skipped: no NVIDIA GPU on this host")
+
+
+def test_gpu_check_fails_where_torch_cannot_use_the_hosts_gpus(tmp_path, capsys):
+    import gpu_check
+
+    from ddp_utils.hardware import Cuda
+
+    old_driver = Cuda(usable=False, nvidia_devices=4, driver_cuda="12.4", wheel_cuda="13.0")
+    out = tmp_path / "gpu_check.json"
+    assert gpu_check.main(probe=lambda: old_driver, out=out) == 1
+    report = json.loads(out.read_text())
+    assert not report["passed"] and report["rows"][0]["result"] == "FAIL"
+    assert (
+        "4 NVIDIA GPU(s)" in report["rows"][0]["detail"] and "12.4" in report["rows"][0]["detail"]
+    )
+    assert "| torch sees the GPUs | FAIL |" in capsys.readouterr().out
+
+
+SLOW_TESTS = """
+import os, subprocess, time
+
+def test_first():
+    pass
+
+def test_stuck(tmp_path):
+    child = subprocess.Popen(["sleep", "120"])
+    open(os.environ["CHILD_PID"], "w").write(str(child.pid))
+    time.sleep(120)
+
+def test_never_reached():
+    pass
+"""
+
+
+def test_gpu_check_ends_at_its_deadline_with_the_unrun_checks_failed(tmp_path, monkeypatch):
+    import gpu_check
+
+    tests = tmp_path / "test_slow.py"
+    tests.write_text(SLOW_TESTS)
+    monkeypatch.setenv("CHILD_PID", str(tmp_path / "child.pid"))
+    clock = gpu_check.Clock(25.0)
+    rows = gpu_check.run_tests(clock, tmp_path, [str(tests)], reserve=0.0)
+    assert clock.left() < 5.0  # it waited for the deadline, no longer
+    got = {r.check: (r.result, r.detail) for r in rows}
+    assert got["test_slow::test_first"] == ("ok", "")
+    assert got["test_slow::test_stuck"][0] == "FAIL"
+    assert got["test_slow::test_never_reached"] == ("FAIL", "not run: the deadline came first")
+    # the stopped test's own child went with it
+    stat = Path(f"/proc/{int((tmp_path / 'child.pid').read_text())}/stat")
+    deadline = time.monotonic() + 10
+    while stat.exists() and stat.read_text().split()[2] != "Z":  # gone, or a zombie
+        assert time.monotonic() < deadline, "the stuck test's child outlived the deadline"
+        time.sleep(0.1)
+    assert gpu_check.report(rows, "test host", tmp_path / "r.json") == 1
 
 
 def test_benchmarks_run_both_sides_on_one_device(monkeypatch):
