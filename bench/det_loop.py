@@ -74,7 +74,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--workers", type=int, default=0)
     args = p.parse_args()
-    device = join_group()
+    device = join_group(fixed_input_shapes=False)  # images keep their sizes
     rank, world = dist.get_rank(), dist.get_world_size()
     register()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):

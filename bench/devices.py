@@ -22,15 +22,24 @@ def ours_device() -> list[str]:
     return [f"trainer.device={bench_device()}"]
 
 
-def join_group():
+def baseline_numerics(device_type: str, fixed_input_shapes: bool = True) -> None:
+    """The baseline's TF32 and cuDNN switches as train.py sets them for the same task (TF32
+    on CUDA; autotuning where input shapes are fixed), so both sides run the same kernels."""
+    from ddp_utils.hardware import apply_backend_flags, backend_flags
+
+    apply_backend_flags(backend_flags(device_type, False, fixed_input_shapes), device_type)
+
+
+def join_group(fixed_input_shapes: bool = True):
     """A baseline worker under torchrun: NCCL and cuda:LOCAL_RANK on CUDA, else gloo and the
-    CPU; returns the device."""
+    CPU, with train.py's numerics switches; returns the device."""
     import torch
     import torch.distributed as dist
 
     if bench_device() == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
+        baseline_numerics("cuda", fixed_input_shapes)
         dist.init_process_group("nccl", device_id=device)
         return device
     dist.init_process_group("gloo")

@@ -4,8 +4,9 @@ characters in the same shape, one process each, interleaved (ours, theirs, ...).
 
 nanoGPT runs its README's CPU command on tiny Shakespeare (`config/train_shakespeare_char.py
 --device=cpu --compile=False --eval_iters=20 --block_size=64 --batch_size=12 --n_layer=4
---n_head=4 --n_embd=128 --max_iters=2000 --lr_decay_iters=2000 --dropout=0.0
---dtype=float32`, plus `--always_save_checkpoint=True` so that its final model is on disk and
+--n_head=4 --n_embd=128 --max_iters=2000 --lr_decay_iters=2000 --dropout=0.0`, with
+`--dtype` the precision ours ran in on CUDA (float32 on a CPU, where nanoGPT's autocast does
+nothing), plus `--always_save_checkpoint=True` so that its final model is on disk and
 an `out_dir` of the benchmark's), from a work folder that links its scripts and holds our
 `prepare_text` output as `data/shakespeare_char` (byte-identical to its `prepare.py`'s).
 Ours: `train.py experiment=lm_char data=tokens` on that folder, with our defaults. Each run
@@ -38,7 +39,16 @@ BLOCK = 64
 THEIR_ARGS = ["config/train_shakespeare_char.py", f"--device={bench_device()}", "--compile=False",
               "--eval_iters=20", f"--block_size={BLOCK}", "--batch_size=12", "--n_layer=4",
               "--n_head=4", "--n_embd=128", "--max_iters=2000", "--lr_decay_iters=2000",
-              "--dropout=0.0", "--dtype=float32", "--always_save_checkpoint=True"]  # fmt: skip
+              "--dropout=0.0", "--always_save_checkpoint=True"]  # fmt: skip
+# nanoGPT's --dtype for ours' precision: on CUDA the same autocast dtype, like with like; on a
+# CPU nanoGPT's autocast context is a no-op, so it runs float32 whatever it is given.
+THEIR_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "32": "float32"}
+
+
+def their_dtype(ours: str | None) -> str:
+    return THEIR_DTYPE.get(ours or "32", "float32") if bench_device() == "cuda" else "float32"
+
+
 NEEDED = ("train.py", "model.py", "configurator.py", "config/train_shakespeare_char.py")
 
 
@@ -119,9 +129,12 @@ def main() -> None:
             walls["train.py"].append(timed(ours, ROOT, env))
             last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
             losses["train.py"].append(last["val/loss"])
-            precision = re.search(r"\| precision (\S+) \|", (run / "train.log").read_text())
+            found = re.search(r"\| precision (\S+) \|", (run / "train.log").read_text())
+            precision = {"train.py": found.group(1) if found else None}
+            precision["nanoGPT"] = their_dtype(precision["train.py"])
             out = tmp / f"theirs{i}"
-            theirs = [sys.executable, "train.py", *THEIR_ARGS, f"--out_dir={out}"]
+            theirs = [sys.executable, "train.py", *THEIR_ARGS, f"--dtype={precision['nanoGPT']}",
+                      f"--out_dir={out}"]  # fmt: skip
             walls["nanoGPT"].append(timed(theirs, work, env))
             losses["nanoGPT"].append(score_theirs(args.nanogpt.resolve(), out / "ckpt.pt",
                                                   prepared / "val.bin"))  # fmt: skip
@@ -133,21 +146,25 @@ def main() -> None:
             )
     med = {k: statistics.median(v) for k, v in walls.items()}
     loss = {k: statistics.median(v) for k, v in losses.items()}
-    print("| side | wall s (median) | every run | val/loss (median, exact on val.bin) |")
-    print("| --- | --- | --- | --- |")
+    print(
+        "| side | precision | wall s (median) | every run | val/loss (median, exact on val.bin) |"
+    )
+    print("| --- | --- | --- | --- | --- |")
     for side in walls:
         runs = ", ".join(f"{w:.1f}" for w in walls[side])
-        print(f"| {side} | {med[side]:.1f} | {runs} | {loss[side]:.4f} |")
+        print(f"| {side} | {precision[side]} | {med[side]:.1f} | {runs} | {loss[side]:.4f} |")
     print(
         f"train.py / nanoGPT wall: {med['train.py'] / med['nanoGPT']:.2f}x; val/loss "
-        f"difference {loss['train.py'] - loss['nanoGPT']:+.4f}; train.py's precision "
-        f"{precision.group(1) if precision else '?'} (nanoGPT: fp32 on a CPU)"
+        f"difference {loss['train.py'] - loss['nanoGPT']:+.4f}"
     )
+    if THEIR_DTYPE.get(precision["train.py"] or "32") != precision["nanoGPT"]:
+        print("not like with like: nanoGPT runs float32 on a CPU; add trainer.precision=32 to "
+              "compare ours in the same precision")  # fmt: skip
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "nanogpt.json").write_text(json.dumps(
         {"machine": platform.processor() or platform.machine(), "walls_s": walls,
          "val_loss": losses, "median_wall_s": med, "median_val_loss": loss,
-         "precision": precision.group(1) if precision else None}, indent=1))  # fmt: skip
+         "precision": precision}, indent=1))  # fmt: skip
 
 
 if __name__ == "__main__":

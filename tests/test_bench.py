@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -117,7 +118,13 @@ def test_bench_nanogpt_links_a_checkout_and_refuses_a_folder_that_is_none(tmp_pa
     work = nanogpt.workdir(checkout, prepared, tmp_path)
     assert (work / "train.py").resolve() == (checkout / "train.py").resolve()
     assert (work / "data" / "shakespeare_char").resolve() == prepared.resolve()
-    assert "--dtype=float32" in nanogpt.THEIR_ARGS and "--block_size=64" in nanogpt.THEIR_ARGS
+    assert "--block_size=64" in nanogpt.THEIR_ARGS
+    # like with like: on CUDA nanoGPT runs ours' autocast dtype; on a CPU it can only run fp32
+    with mock.patch.dict(os.environ, {"DEVICE": "cuda"}):
+        assert nanogpt.their_dtype("bf16") == "bfloat16" and nanogpt.their_dtype("32") == "float32"
+        assert nanogpt.their_dtype("fp16") == "float16"
+    with mock.patch.dict(os.environ, {"DEVICE": "cpu"}):
+        assert nanogpt.their_dtype("bf16") == "float32"
 
 
 REFERENCE_UTILS = """
@@ -294,6 +301,45 @@ def test_benchmarks_run_both_sides_on_one_device(monkeypatch):
     monkeypatch.setenv("DEVICE", "gpu")
     with pytest.raises(SystemExit, match="DEVICE=gpu: choose one of cpu, cuda"):
         devices.bench_device()
+
+
+def test_baselines_set_tf32_and_autotuning_as_train_py_does_for_their_task():
+    import devices
+
+    before = (torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.benchmark)
+    try:
+        devices.baseline_numerics("cuda")  # lm_loop: TF32 and autotuning, as train.py
+        assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+        assert torch.backends.cudnn.benchmark
+        devices.baseline_numerics("cuda", fixed_input_shapes=False)  # det_loop: no autotuning
+        assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+        assert not torch.backends.cudnn.benchmark
+    finally:
+        torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.benchmark = before
+        torch.backends.cudnn.conv.fp32_precision = "tf32"
+
+
+CPU_PEER = """
+import sys
+from unittest import mock
+import torch
+sys.path.insert(0, "bench")
+with mock.patch("torch.cuda.is_available", return_value=True):
+    import peer_reference
+    peer_reference.run_on_cpu()
+print(torch.nn.parallel.DistributedDataParallel.__name__)
+"""
+
+
+@pytest.mark.parametrize(
+    ("device", "ddp"), [("cpu", "CpuDDP"), ("cuda", "DistributedDataParallel")]
+)
+def test_bench_peer_patches_the_reference_whenever_its_device_is_the_cpu(device, ddp):
+    # a host with GPUs benchmarking the CPU (DEVICE=cpu) still needs the reference's CPU changes
+    proc = subprocess.run([sys.executable, "-c", CPU_PEER], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "DEVICE": device})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == [ddp]
 
 
 def test_interval_medians_leave_out_the_first_validation_interval(tmp_path):
