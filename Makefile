@@ -13,7 +13,7 @@ DEVICE ?= cpu
 export DEVICE
 
 .DEFAULT_GOAL := help
-.PHONY: help install train test test-fast docs lint format clean bench bench-gpu gpu-check bench-shards bench-data bench-seg bench-det bench-memory bench-comm bench-peer bench-profile bench-lm bench-nanogpt recipes
+.PHONY: help install train test test-fast docs lint format clean bench bench-gpu gpu-check bench-shards bench-data bench-seg bench-det bench-memory bench-comm bench-peer bench-profile bench-lm bench-nanogpt bench-poll recipes
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -44,7 +44,7 @@ bench: $(STAMP)  ## speed: tutorial loop vs train.py vs raw bound on the CPU (a 
 bench-gpu: $(STAMP)  ## the same on a CUDA GPU, plus bf16 and torch.compile
 	$(BIN)/python bench/bench.py --device cuda
 
-gpu-check: $(STAMP)  ## on a CUDA machine: the GPU tests, bench-gpu and an NCCL run of each task family, one table (<10 min); skips without a GPU
+gpu-check: $(STAMP)  ## on a CUDA machine: every GPU-only check and bench-gpu, one table, within 10 min (docs/gpus.md); fails where torch cannot use the GPUs
 	$(BIN)/python bench/gpu_check.py
 
 bench-data: $(STAMP)  ## input pipeline: image folder of JPEGs, train.py vs the references' loader
@@ -82,6 +82,9 @@ bench-lm: $(STAMP)  ## language model: tokens/s of experiment=lm_char vs a plain
 bench-nanogpt: $(STAMP)  ## language model: whole runs of nanoGPT's train.py (NANOGPT=DIR, a checkout) vs experiment=lm_char (~12 min)
 	@test -n "$(NANOGPT)" || { echo "make bench-nanogpt NANOGPT=DIR: DIR is a checkout of github.com/karpathy/nanoGPT"; exit 2; }
 	$(BIN)/python bench/nanogpt.py --nanogpt $(NANOGPT) $(ARGS)
+
+bench-poll: $(STAMP)  ## the stop poll's cost a step at world sizes 2, 8, 16, 32 on gloo, every step vs trainer.stop_poll_s (~5 min)
+	$(BIN)/python bench/bench_poll.py $(ARGS)
 
 recipes: $(STAMP)  ## the recipes' accuracy over 3 held-out slices x 3 seeds x 3 lrs (~30 min)
 	$(BIN)/python bench/recipes.py

@@ -349,3 +349,13 @@ def test_interval_medians_leave_out_the_first_validation_interval(tmp_path):
             {"samples_per_s": 30.0, "mfu": 0.4}, {"samples_per_s": 20.0, "mfu": 0.3}]  # fmt: skip
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert interval_medians(tmp_path, "samples_per_s", "mfu") == (20.0, 0.3)
+
+
+def test_bench_poll_measures_both_modes_against_no_poll():
+    import bench_poll
+
+    got = bench_poll.measure(2, steps=40, repeats=1)
+    assert got["reduces"]["every step"] == 40 and got["reduces"]["none"] == 0
+    assert 0 < got["reduces"]["default"] < 40
+    assert all(v > 0 for v in got["ms_per_step"].values())
+    assert got["ms_in_poll_per_step"]["none"] == 0
