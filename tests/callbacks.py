@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -19,10 +20,11 @@ from ddp_utils.train.callbacks import Callback
 class Fault(Callback):
     """Kill (SIGKILL) or stall one rank at one step, in torchrun's first attempt only (so the
     restarted group runs on). A stall first writes the time it began into ``mark``; ``mark``
-    as the kind only writes it (for a test to act then: stop a server)."""
+    as the kind only writes it (for a test to act then: stop a server); ``rmtree`` removes the
+    folder ``mark`` (a tmp cleaner taking a cache away)."""
 
     def __init__(self, kind: str, step: int, rank: int, mark: str | None = None) -> None:
-        assert kind in ("kill", "stall", "mark"), kind
+        assert kind in ("kill", "stall", "mark", "rmtree"), kind
         self.kind, self.step, self.rank, self.mark = kind, step, rank, mark
 
     def on_step_end(self, tr) -> None:
@@ -32,6 +34,9 @@ class Fault(Callback):
             return
         if self.kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.kind == "rmtree":
+            shutil.rmtree(self.mark)
+            return
         if self.mark:
             Path(self.mark).write_text(str(time.time()))
         if self.kind == "stall":

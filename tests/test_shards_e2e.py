@@ -94,6 +94,21 @@ def test_from_s3_with_a_sigkill_the_parameters_are_the_local_runs(store, referen
 
 
 @needs_weed
+def test_a_node_cache_removed_mid_epoch_is_made_again_and_the_run_ends_the_same(
+    store, reference, tmp_path
+):
+    server, url = store
+    cache = tmp_path / "cache"
+    proc = run_ranks("train.py", *ARGS, f"data.root={url}", f"data.cache_dir={cache}",
+                     f"run_dir={tmp_path}/run", fault("rmtree", 4, 0, mark=str(cache)),
+                     nproc=2, env=server.env())  # fmt: skip
+    assert proc.stderr.count("was removed while the run read through it") == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert_same_params(params(tmp_path / "run"), params(reference))
+    assert (cache / ".locks").is_dir()
+
+
+@needs_weed
 def test_eval_from_s3_scores_as_from_the_folder_at_every_world_size(
     store, local_shards, reference, tmp_path
 ):

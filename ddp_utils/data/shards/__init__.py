@@ -93,7 +93,14 @@ class ShardReader:
             return self.store.read(self.names[shard], offset, size)
         fd = self.files.pop(shard, None)
         if fd is None:
-            fd = os.open(self.path(shard), os.O_RDONLY)
+            try:
+                fd = os.open(self.path(shard), os.O_RDONLY)
+            except FileNotFoundError:
+                if self.store.local:
+                    raise
+                # the node cache's copy went between its lookup and this open (an eviction,
+                # the folder removed): fetched again
+                fd = os.open(self.path(shard), os.O_RDONLY)
             if len(self.files) >= OPEN_FILES:
                 os.close(self.files.popitem(last=False)[1])
         self.files[shard] = fd

@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import re
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -27,6 +28,7 @@ import fsspec
 from ddp_utils.config import ConfigError
 
 T = TypeVar("T")
+FOLDER_RETRIES = 3  # a cache folder removed again while it is made anew
 RETRY_EXIT = 75  # EX_TEMPFAIL: the store was unreachable; the same command resumes
 CHUNK = 8 << 20
 # fsspec's S3 options that end a request to a store that stopped answering, so that the
@@ -223,12 +225,25 @@ class NodeCache:
         return self.folder / f"{digest}-{Path(name).name}"
 
     def get(self, store: Store, name: str, size: int) -> Path:
-        """The shard's local copy, downloaded by one process of the node if it is missing."""
+        """The shard's local copy, downloaded by one process of the node if it is missing. A
+        cache folder removed while the run reads through it (a tmp cleaner on a long job) is
+        made again, and its shards downloaded again from the store."""
         path = self.file(store, name, size)
         if path.exists():
             with contextlib.suppress(OSError):
                 os.utime(path)  # recently used
             return path
+        for attempt in range(FOLDER_RETRIES):
+            self.ensure_folder(store)
+            try:
+                return self.fetch(store, name, size, path)
+            except FileNotFoundError:
+                # The store's own "no such file", or the folder went while this wrote into it
+                if attempt + 1 == FOLDER_RETRIES or (self.folder / ".locks").is_dir():
+                    raise
+        raise AssertionError("unreachable")
+
+    def fetch(self, store: Store, name: str, size: int, path: Path) -> Path:
         lock = self.folder / ".locks" / f"{path.name}.lock"
         with open(lock, "w") as held:
             fcntl.flock(held, fcntl.LOCK_EX)  # the node's other processes wait here
@@ -241,6 +256,20 @@ class NodeCache:
                     tmp.unlink(missing_ok=True)
                 self.evict(keep=path)
         return path
+
+    def ensure_folder(self, store: Store) -> None:
+        """Make the cache folder again if it is gone; the one process of the node that makes
+        it says so, once."""
+        locks = self.folder / ".locks"
+        if locks.is_dir():
+            return
+        try:
+            locks.mkdir(parents=True)
+        except FileExistsError:
+            return  # another process of the node made it first
+        print(f"warning: the shard cache {self.folder} was removed while the run read through "
+              f"it; made again, and its shards are downloaded again from {store.root}",
+              file=sys.stderr, flush=True)  # fmt: skip
 
     def evict(self, keep: Path) -> None:
         """Remove the least recently used shards until the cache fits ``limit``."""
