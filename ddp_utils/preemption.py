@@ -138,7 +138,7 @@ class StopRequest:
         self._countdown -= 1
         if self._countdown > 0:
             return False
-        agreed = False
+        agreed, stepped = False, self._gap  # the steps since the last poll step
         if self._pending is not None:
             self._pending.wait()
             signum, diverged, gap = (int(v) for v in self._flag.tolist())
@@ -148,7 +148,7 @@ class StopRequest:
                 self.signum = signum  # another rank got it; stop as one
             self._gap = max(1, gap)
         self._countdown = self._gap
-        self._flag = torch.tensor([self.signum, int(self.diverged), self._next_gap()],
+        self._flag = torch.tensor([self.signum, int(self.diverged), self._next_gap(stepped)],
                                   dtype=torch.int64)  # fmt: skip
         self._pending = dist.all_reduce(
             self._flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True
@@ -156,11 +156,11 @@ class StopRequest:
         self.reduces += 1
         return agreed
 
-    def _next_gap(self) -> int:
+    def _next_gap(self, stepped: int) -> int:
         """The main rank's proposal: the steps that take about ``every_s``, at the pace of the
-        steps since the last poll (0 from the others)."""
+        ``stepped`` steps since the last poll (0 from the others)."""
         now = time.perf_counter()
-        per_step, self._polled_at = (now - self._polled_at) / self._gap, now
+        per_step, self._polled_at = (now - self._polled_at) / stepped, now
         if not self._main:
             return 0
         return int(min(self.MAX_GAP, max(1, self.every_s / max(per_step, 1e-9))))
