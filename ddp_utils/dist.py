@@ -267,19 +267,19 @@ def group_store() -> dist.Store:
 LEAVE_WAIT_S = 30.0  # how long a rank waits at the end for the others to tear down
 
 
-def shutdown(together: bool = True) -> None:
+def shutdown(together: bool = True, wait_s: float = LEAVE_WAIT_S) -> None:
     """Leave the process group so that no rank aborts at exit. A rank whose peer closed its
     gloo connections while it was still tearing its own down, or whose group objects were left
     to the interpreter's finalization, was seen to abort ("terminate called without an active
     exception", about one process in 80 under fsdp2): every rank destroys its group, then waits
     (through the store, which outlives the group) until all have, and the objects that still
     hold a group are collected while the interpreter is whole. Not ``together``: a peer is
-    gone, and nobody waits for it."""
+    gone, and nobody waits for it; ``wait_s``: how long to wait for the others at most."""
     if dist.is_initialized():
         store, world = group_store(), dist.get_world_size()
         dist.destroy_process_group()
         if world > 1 and together:
-            leave_together(store, world)
+            leave_together(store, world, wait_s)
     gc.collect()
 
 
@@ -288,22 +288,24 @@ def process_group_left(leave: bool = True) -> Iterator[None]:
     """Run the body, then leave the process group (``shutdown``) when ``leave``. After a
     collective that failed for a lost peer, the survivors leave at once: waiting
     ``LEAVE_WAIT_S`` for a rank that will never come held each survivor 30 s, and an elastic
-    agent re-formed the smaller group that much later."""
+    agent re-formed the smaller group that much later. An error may say how long to wait for
+    the others at most (``leave_wait_s``: a stop signal's, ddp_utils.preemption)."""
     try:
         yield
     except BaseException as e:
         if leave:
             cause = e.__context__ if e.__context__ is not None else e
-            shutdown(together=lost_peer(e) is None and lost_peer(cause) is None)
+            shutdown(together=lost_peer(e) is None and lost_peer(cause) is None,
+                     wait_s=getattr(e, "leave_wait_s", LEAVE_WAIT_S))  # fmt: skip
         raise
     if leave:
         shutdown()
 
 
-def leave_together(store: dist.Store, world: int) -> None:
+def leave_together(store: dist.Store, world: int, wait_s: float = LEAVE_WAIT_S) -> None:
     try:
         store.add("ddp_recipes/left", 1)
-        deadline = time.monotonic() + LEAVE_WAIT_S
+        deadline = time.monotonic() + wait_s
         while store.add("ddp_recipes/left", 0) < world and time.monotonic() < deadline:
             time.sleep(0.005)
     except Exception:  # a peer (or the store's host) already gone: nothing to wait for

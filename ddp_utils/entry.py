@@ -90,7 +90,7 @@ def clean_exit() -> Iterator[None]:
     global _job_started
     _job_started = True
     try:
-        with stop_signals_act_at_once():
+        with stop_signals_act_at_once(on_stuck=exit_stuck):
             yield
     except Preempted as stop:
         pass_on(stop.signum)  # submitit's handler requeues the job here
@@ -115,6 +115,21 @@ def clean_exit() -> Iterator[None]:
         if why is None or in_sweep():
             raise
         stop_for_lost_peer(why)
+
+
+def exit_stuck(stop: StoppedEarly) -> NoReturn:
+    """A stop signal the main thread could not take (it waits in C++ on a peer that already
+    left on the same signal): the job's one line from global rank 0, then this process ends at
+    once, with the stop's exit code. Nothing was training, so nothing is lost."""
+    rank = read_launch_env().rank
+    if rank == 0:
+        line = f"error: {stop}"
+        print(line, file=sys.stderr, flush=True)
+        with contextlib.suppress(Exception):
+            log_to_files(logging.ERROR, str(stop))
+            write_error_file(line)
+    sys.stdout.flush()
+    exit_now(stop.exit_code)
 
 
 def stop_for_lost_peer(why: str, launcher_acted: bool = False) -> NoReturn:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from types import FrameType
 
@@ -41,6 +42,11 @@ class StoppedEarly(BaseException):
     KeyboardInterrupt: the ``except Exception`` around a library call must not take it for
     that call's error."""
 
+    # A stop before training or while the run ends: a rank that left on the signal waits this
+    # long at most for the others to leave the group (one stuck in C++ ends after
+    # STUCK_GRACE_S), not the 30 s a finished run waits.
+    leave_wait_s = 5.0
+
     def __init__(self, signum: int) -> None:
         name = signal.Signals(signum).name
         self.signum = signum
@@ -58,27 +64,83 @@ class StoppedEarly(BaseException):
 
 _owner = os.getpid()  # the process whose handlers these are
 _trained = False  # whether this job's training loop has begun (StopRequest.begin)
+_in_loop = False  # whether the training loop holds the stop signals now (StopRequest)
+_stopping = False  # whether a stop signal has reached a Python handler in this job
+# How long a stop signal may wait for its Python handler: one runs only once the main thread
+# is back in Python, and a call blocked in C++ (a rank's collective or store wait whose peer
+# already left on the same signal) may not return for the group's timeout.
+STUCK_GRACE_S = 3.0
 
 
 def _stop_now(signum: int, frame: FrameType | None) -> None:
+    global _stopping
     # A forked DataLoader worker inherits the handler: its parent ends it, quietly.
     if os.getpid() == _owner:
+        _stopping = True
         raise StoppedEarly(signum)
 
 
+class _StuckWatch:
+    """A thread that sees each stop signal as it arrives (Python's wakeup fd: the C-level
+    handler writes the signal's number there at once, whatever the main thread is doing)
+    and, outside the training loop, calls ``on_stuck`` with the stop if no Python handler
+    took it within ``STUCK_GRACE_S``: the main thread is stuck in C++."""
+
+    def __init__(self, on_stuck: Callable[[StoppedEarly], None]) -> None:
+        self.on_stuck = on_stuck
+        self.read_fd, self.write_fd = os.pipe()
+        os.set_blocking(self.write_fd, False)
+        self.previous = signal.set_wakeup_fd(self.write_fd, warn_on_full_buffer=False)
+        self.thread = threading.Thread(target=self.watch, name="stop-signal-watch", daemon=True)
+        self.thread.start()
+
+    def watch(self) -> None:
+        while data := os.read(self.read_fd, 64):
+            for signum in data:
+                if signum in STOP_SIGNALS and not _in_loop and not _stopping:
+                    time.sleep(STUCK_GRACE_S)
+                    if not _in_loop and not _stopping and os.getpid() == _owner:
+                        self.on_stuck(StoppedEarly(signum))
+
+    def close(self) -> None:
+        with contextlib.suppress(ValueError):
+            signal.set_wakeup_fd(self.previous)
+        os.close(self.write_fd)  # the thread reads the end of the pipe and returns
+        self.thread.join(timeout=1.0)
+        os.close(self.read_fd)
+
+
+def _forget_wakeup_fd() -> None:
+    # A forked child (a DataLoader worker) writes no signal into its parent's pipe.
+    with contextlib.suppress(ValueError):
+        signal.set_wakeup_fd(-1)
+
+
+os.register_at_fork(after_in_child=_forget_wakeup_fd)
+
+
 @contextlib.contextmanager
-def stop_signals_act_at_once() -> Iterator[None]:
+def stop_signals_act_at_once(
+    on_stuck: Callable[[StoppedEarly], None] | None = None,
+) -> Iterator[None]:
     """Around a job: until the training loop takes the stop signals over (``StopRequest``),
     each one raises ``StoppedEarly`` where the process is. The handlers before are restored
-    after, so ``pass_on`` still reaches submitit's."""
-    global _owner, _trained
-    _owner, _trained = os.getpid(), False
+    after, so ``pass_on`` still reaches submitit's. ``on_stuck(stop)``: what to do when the
+    main thread has not taken a stop signal within ``STUCK_GRACE_S`` (it must end the
+    process); None: wait for it."""
+    global _owner, _trained, _in_loop, _stopping
+    _owner, _trained, _in_loop, _stopping = os.getpid(), False, False, False
     previous = {s: signal.signal(s, _stop_now) for s in STOP_SIGNALS}
+    watch = None
+    if on_stuck is not None and threading.current_thread() is threading.main_thread():
+        watch = _StuckWatch(on_stuck)
     try:
         yield
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+        if watch is not None:
+            watch.close()
 
 
 class StopRequest:
@@ -117,8 +179,8 @@ class StopRequest:
     def begin(self) -> None:
         """The training loop starts: from now on a signal is a checkpointed stop at the next
         step boundary, agreed by every rank."""
-        global _trained
-        self.training = _trained = True
+        global _trained, _in_loop
+        self.training = _trained = _in_loop = True
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if not self.training:
@@ -168,6 +230,8 @@ class StopRequest:
     def close(self, drain: bool = True) -> None:
         """Restore the signal handlers; ``drain`` waits for the last reduce (skip it when a
         rank may be gone, or it would wait out the timeout once more)."""
+        global _in_loop
+        _in_loop = False
         if drain and self._pending is not None:
             self._pending.wait()
         self._pending = None

@@ -17,7 +17,15 @@ import time
 
 import pytest
 from callbacks import fault
-from conftest import ROOT, assert_same_params, params, run_forked, run_ranks, run_script
+from conftest import (
+    ROOT,
+    assert_same_params,
+    our_error_lines,
+    params,
+    run_forked,
+    run_ranks,
+    run_script,
+)
 from seaweed import KEY, Seaweed, weed_binary
 
 # 1,438 training digits at batch 50 on 2 ranks: 14 whole steps an epoch.
@@ -183,6 +191,27 @@ def test_mistakes_are_named_before_training(mistake, store, local_shards, tmp_pa
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert says in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_an_unreachable_store_at_start_up_is_one_line_and_exit_75(tmp_path):
+    # port 9 on loopback: nothing listens, every connection is refused at once
+    env = {"AWS_ENDPOINT_URL": "http://127.0.0.1:9", "AWS_ACCESS_KEY_ID": "x",
+           "AWS_SECRET_ACCESS_KEY": "x"}  # fmt: skip
+    proc = run_forked("train.py", *ARGS, "data.root=s3://nobucket/digits", "data.retries=2",
+                      f"run_dir={tmp_path}/run", env=env)  # fmt: skip
+    assert proc.returncode == 75, proc.stderr[-3000:]
+    assert "the data store did not answer" in proc.stderr and "relaunch" in proc.stderr
+    assert "Traceback" not in proc.stderr and len(our_error_lines(proc.stderr)) == 1
+
+
+@needs_weed
+def test_a_prefix_that_does_not_exist_is_named_with_exit_2(store, tmp_path):
+    server, url = store
+    proc = run_forked("train.py", *ARGS, f"data.root={url}_missing", f"run_dir={tmp_path}/run",
+                      env=server.env())  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert f"data.root={url}_missing does not exist" in proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 @needs_weed

@@ -227,21 +227,21 @@ def split_index(cfg: DataConfig, store: Store, cache: NodeCache | None, split: s
 
 def writers_index(store: Store, split: str, key: str) -> dict[str, Any] | None:
     """The writer's ``index.pt`` of the split, if it describes these very shards."""
-    try:
-        data = store.read(
-            f"{split}/{INDEX_FILE}", 0, store.fs.size(f"{store.base}/{split}/{INDEX_FILE}")
-        )
-    except (FileNotFoundError, OSError):
+    name = f"{split}/{INDEX_FILE}"
+    try:  # through the store's retries: one that does not answer is StoreUnavailable
+        data = store.read(name, 0, store.size(name))
+    except (FileNotFoundError, PermissionError):
         return None
     index = torch.load(io.BytesIO(data), weights_only=True)
     return index if index.get("fingerprint") == key else None
 
 
 def read_classes(store: Store) -> list[str] | None:
+    """``classes.txt``'s lines; None where there is none. A store that does not answer
+    raises ``StoreUnavailable`` (one line, exit code 75), as it does mid-epoch."""
     try:
-        size = store.fs.size(f"{store.base}/{CLASSES_FILE}")
-        return store.read(CLASSES_FILE, 0, size).decode().splitlines()
-    except (FileNotFoundError, OSError):
+        return store.read(CLASSES_FILE, 0, store.size(CLASSES_FILE)).decode().splitlines()
+    except (FileNotFoundError, PermissionError):  # listing the split names what is wrong
         return None
 
 
