@@ -6,12 +6,13 @@
 
 Each split (``train/``, ``val/``) becomes ``shard-000000.tar``, ... of ``--samples-per-shard``
 samples in the data set's order: ``KEY.png`` (lossless) or, with ``--decoded``, ``KEY.npy`` (the
-uint8 CHW array, resized so its shorter side is ``--resize`` if given: no decoding when read),
-and ``KEY.cls`` (the class index as text). Beside the shards, ``index.pt`` holds every sample's
-byte range (``data=shards`` builds one itself for shards written by other tools), and
-``data.root/classes.txt`` the class names where the source has them. ``--out`` is a folder or
-any fsspec URL (S3 reads AWS_ENDPOINT_URL and the usual credentials); the overrides after it
-choose the data option as they do for train.py.
+uint8 CHW array: no decoding when read), either resized so its shorter side is ``--resize`` if
+given, and ``KEY.cls`` (the class index as text). The last line printed is the train.py command
+that reads them (the classes, channels, size and normalisation of the source). Beside the
+shards, ``index.pt`` holds every sample's byte range (``data=shards`` builds one itself for
+shards written by other tools), and ``data.root/classes.txt`` the class names where the source
+has them. ``--out`` is a folder or any fsspec URL (S3 reads AWS_ENDPOINT_URL and the usual
+credentials); the overrides after it choose the data option as they do for train.py.
 """
 
 from __future__ import annotations
@@ -64,12 +65,13 @@ def compose_data(overrides: list[str]) -> DataConfig:
 
 
 def encode(image: torch.Tensor, decoded: bool, resize: int | None) -> tuple[str, bytes]:
-    """A uint8 CHW image as a shard member: ``npy`` (decoded) or ``png``."""
-    if decoded:
-        if resize is not None:
-            from torchvision.transforms.v2 import functional as TF
+    """A uint8 CHW image as a shard member, its shorter side ``resize`` if given: ``npy``
+    (decoded) or ``png``."""
+    if resize is not None:
+        from torchvision.transforms.v2 import functional as TF
 
-            image = TF.resize(image, resize, antialias=True)
+        image = TF.resize(image, resize, antialias=True)
+    if decoded:
         buffer = io.BytesIO()
         np.save(buffer, image.contiguous().numpy(), allow_pickle=False)
         return "npy", buffer.getvalue()
@@ -143,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--out", required=True, help="a folder or fsspec URL (s3://bucket/prefix)")
     w.add_argument("--samples-per-shard", type=int, default=1000)
     w.add_argument("--decoded", action="store_true", help="store uint8 arrays (.npy), not PNG")
-    w.add_argument("--resize", type=int, default=None, help="with --decoded: shorter side")
+    w.add_argument("--resize", type=int, default=None, help="the images' shorter side, stored")
     w.add_argument("--workers", type=int, default=max(1, (multiprocessing.cpu_count() or 2) - 1))
     w.add_argument("overrides", nargs="*", help="the data option, as for train.py: data=digits")
     args = p.parse_args(argv)
@@ -161,10 +163,22 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"train with: train.py data={format_of(cfg).option} data.root={args.out} "
-          f"data.num_classes={cfg.num_classes} data.in_channels={cfg.in_channels} "
-          f"data.image_size={cfg.image_size}")  # fmt: skip
+    print(f"train with: {training_command(cfg, args.out, args.resize)}")
     return 0
+
+
+def training_command(cfg: DataConfig, out: str, resize: int | None) -> str:
+    """train.py with what reading the shards needs that they do not say themselves: the
+    classes, channels and size, and the source's normalisation (a shard holds uint8 pixels)."""
+    numbers = lambda xs: "[" + ",".join(f"{x:g}" for x in xs) + "]"  # noqa: E731
+    keys = {"data": format_of(cfg).option, "data.root": out, "data.num_classes": cfg.num_classes,
+            "data.in_channels": cfg.in_channels, "data.image_size": cfg.image_size,
+            "data.mean": numbers(cfg.mean), "data.std": numbers(cfg.std)}  # fmt: skip
+    if type(cfg).holds == "labels":
+        # evaluation resizes to this before its centre crop: the size stored (a source of
+        # fixed-size images, as the built-in sets, is stored at data.image_size)
+        keys["data.resize_size"] = resize or getattr(cfg, "resize_size", None) or cfg.image_size
+    return "train.py " + " ".join(f"{k}={v}" for k, v in keys.items() if v is not None)
 
 
 if __name__ == "__main__":

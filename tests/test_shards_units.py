@@ -285,3 +285,36 @@ def test_a_decoded_arrays_header_is_read_once_and_its_bytes_as_they_lie():
         image = decode_member(data[start : start + size], RAW, int(index["shape"][i]), shape[0],
                               "x")  # fmt: skip
         assert image.shape == shape and image.flatten().tolist() == list(range(size))
+
+
+def test_the_writers_printed_command_trains(tmp_path):
+    import shlex
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    out = tmp_path / "shards"
+    writer = subprocess.run([sys.executable, "-m", "ddp_utils.shards", "write", f"--out={out}",
+                             "--samples-per-shard=300", "--workers=1", "data=digits"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert writer.returncode == 0, writer.stderr[-2000:]
+    printed = writer.stdout.strip().splitlines()[-1]
+    assert printed.startswith("train with: train.py data=shards")
+    args = shlex.split(printed.removeprefix("train with: train.py "))
+    run = subprocess.run([sys.executable, "train.py", *args, "trainer.max_steps=2", "logger=none",
+                          f"run_dir={tmp_path}/run"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
+def test_resize_applies_to_png_shards_too():
+    from ddp_utils.shards import encode
+
+    image = torch.zeros(1, 8, 16, dtype=torch.uint8)
+    kind, data = encode(image, decoded=False, resize=4)
+    from torchvision.io import decode_png
+
+    assert kind == "png" and decode_png(
+        torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    ).shape == (1, 4, 8)
