@@ -35,14 +35,39 @@ def run_tag(run_id: str) -> str:
 RUN_RECORD = "run.json"  # what launched the run, and whether it finished
 
 
-def run_identity(cfg: Any) -> str:
+@dataclass(frozen=True)
+class Identity:
     """What makes a relaunch "the same run": the composed config, less where it lives and how
-    it resumes. The world size is no part of it: a relaunch on fewer or more processes
-    continues the run (resumes reshard)."""
+    it resumes, as a digest and as its settings (``optim.lr`` -> 0.1). The world size is no
+    part of it: a relaunch on fewer or more processes continues the run (resumes reshard)."""
+
+    digest: str
+    settings: dict[str, Any]
+
+
+def run_identity(cfg: Any) -> Identity:
     plain = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
     for key in ("run_dir", "resume"):
         plain.pop(key, None)
-    return hashlib.sha256(json.dumps(plain, sort_keys=True, default=str).encode()).hexdigest()
+    digest = hashlib.sha256(json.dumps(plain, sort_keys=True, default=str).encode()).hexdigest()
+    return Identity(digest, json.loads(json.dumps(flatten(plain), default=str)))
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"optim": {"lr": 0.1}}`` -> ``{"optim.lr": 0.1}`` (lists stay values)."""
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        flat |= flatten(value, f"{prefix}{key}." if isinstance(value, dict) else f"{prefix}{key}")
+    return flat
+
+
+def differences(mine: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
+    """``key=theirs (here: mine)`` for each setting that differs."""
+    keys = sorted(set(mine) | set(theirs))
+    return [f"{k}={theirs.get(k)} (here {mine.get(k)})" for k in keys
+            if mine.get(k) != theirs.get(k)]  # fmt: skip
 
 
 def launch_command() -> str:
@@ -79,14 +104,16 @@ def _read_record(run_dir: Path) -> dict[str, Any]:
         return {}
 
 
-def write_run_record(run_dir: Path, identity: str, finished: bool) -> None:
-    """``run.json``: the identity that a relaunch without ``run_dir`` looks for, the command,
-    and whether the run finished (a finished run is not continued by a relaunch)."""
-    record = {"identity": identity, "command": launch_command(), "finished": finished}
+def write_run_record(run_dir: Path, identity: Identity, finished: bool) -> None:
+    """``run.json``: the identity that a relaunch without ``run_dir`` looks for (and its
+    settings, to name what differs), the command, and whether the run finished (a finished
+    run is not continued by a relaunch)."""
+    record = {"identity": identity.digest, "command": launch_command(), "finished": finished,
+              "settings": identity.settings}  # fmt: skip
     atomic_write_text(run_dir / RUN_RECORD, json.dumps(record, indent=1) + "\n")
 
 
-def _default_run_dir(base: Path, run_id: str | None, identity: str | None) -> tuple[Path, str]:
+def _default_run_dir(base: Path, run_id: str | None, identity: Identity | None) -> tuple[Path, str]:
     """Where a launch without ``run_dir`` goes, and why (the first line of the log).
 
     The folder of this launcher run id first (torchrun's restarts of one job share it); else
@@ -104,9 +131,9 @@ def _default_run_dir(base: Path, run_id: str | None, identity: str | None) -> tu
         if not new.exists():
             break
         new = base / f"{stamp}_{n}"
-    same = [p for p in runs if identity and _read_record(p).get("identity") == identity]
+    same = [p for p in runs if identity and _read_record(p).get("identity") == identity.digest]
     if not same:
-        return new, f"new run: run_dir={new}"
+        return new, f"new run: run_dir={new}{_near_run(runs, identity)}"
     newest = same[-1]
     if _read_record(newest).get("finished"):
         return new, (f"new run: run_dir={new} (the newest run of this command and config, "
@@ -115,6 +142,25 @@ def _default_run_dir(base: Path, run_id: str | None, identity: str | None) -> tu
         return new, (f"new run: run_dir={new} (the newest run of this command and config, "
                      f"{newest}, is still running)")  # fmt: skip
     return newest, (f"resuming the unfinished run of this command and config: run_dir={newest}")
+
+
+NEAR_SETTINGS = 3  # an unfinished run whose config differs in this many settings or fewer
+
+
+def _near_run(runs: list[Path], identity: Identity | None) -> str:
+    """Where a new run starts beside an unfinished one of nearly the same config (an override
+    changed, or a default): the newest such run and what differs, so that a relaunch meant to
+    continue it can name it."""
+    for run in reversed(runs) if identity else []:
+        record = _read_record(run)
+        if record.get("finished") or "settings" not in record or RunLock.held(run):
+            continue
+        differ = differences(identity.settings, record["settings"])
+        if 0 < len(differ) <= NEAR_SETTINGS:
+            return (f" (not the unfinished run {run}, whose config differs in "
+                    f"{', '.join(differ)}: to continue that one, relaunch with "
+                    f"run_dir={run})")  # fmt: skip
+    return ""
 
 
 @dataclass
@@ -126,7 +172,7 @@ class RunDir:
 
 
 def resolve_run_dir(
-    run_dir: str | None, rt: Runtime, identity: str | None = None, continue_same: bool = True
+    run_dir: str | None, rt: Runtime, identity: Identity | None = None, continue_same: bool = True
 ) -> RunDir:
     """One folder for all ranks, locked for this job: the main rank names, creates and locks
     it, the others are told (or told why not: every rank then raises the same error).

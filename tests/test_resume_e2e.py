@@ -161,7 +161,14 @@ def test_resume_at_another_world_size_sees_each_sample_once(tmp_path_factory, ne
     run, rec = base / f"run_w{new_world_size}", base / f"rec_w{new_world_size}"
     shutil.copytree(base / "run", run)
     rec.mkdir()
-    run_ranks("train.py", *every, f"run_dir={run}", recorder(rec), nproc=new_world_size)
+    proc = run_ranks("train.py", *every, f"run_dir={run}", recorder(rec), nproc=new_world_size)
+    # the new length is said with what makes it up
+    assert re.search(
+        r"the run's length from here: \d+ optimizer steps in all, 90 done at world "
+        rf"size 2 and \d+ to go at world size {new_world_size} \(\d+ an epoch\), "
+        r"where this command started afresh would take \d+",
+        proc.stdout,
+    ), proc.stdout
     before = recorded_samples(base, epoch=1, max_step=ckpt["step"])
     after = recorded_samples(rec, epoch=1)
     seen = before + after

@@ -218,8 +218,11 @@ def restore(tr: Training, ckpt: dict[str, Any]) -> None:
     if total != tr.total_steps:
         # Another world size re-shards the rest of the epoch into another number of steps:
         # the schedule is rebuilt for the length this run will really have.
-        log.info("the run's length from here: %d optimizer steps (planned %d)", total,
-                 tr.total_steps)  # fmt: skip
+        log.info("the run's length from here: %d optimizer steps in all, %d done at world "
+                 "size %d and %d to go at world size %d (%d an epoch), where this command "
+                 "started afresh would take %d; the learning-rate schedule is rebuilt for %d",
+                 total, ckpt["step"], ckpt["world_size"], total - ckpt["step"],
+                 tr.rt.world_size, per_epoch, tr.total_steps, total)  # fmt: skip
         tr.total_steps = tr.progress.total_steps = total
         tr.scheduler = build_scheduler(
             tr.cfg.sched, tr.optimizer, tr.cfg.optim.lr, total, per_epoch
