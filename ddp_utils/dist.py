@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -120,6 +121,57 @@ def tasks_per_node(env: Mapping[str, str], world_size: int) -> int:
     """SLURM's tasks on this node (its first count: ``4(x2)`` -> 4), else ``world_size``."""
     per_node = env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE", "")
     return int(per_node.split("(")[0].split(",")[0]) if per_node else world_size
+
+
+def nnodes_of(args: list[str]) -> tuple[int, int] | None:
+    """torchrun's ``--nnodes`` (``N`` or ``MIN:MAX``) among its arguments, or None."""
+    for i, arg in enumerate(args):
+        value = None
+        if arg in ("--nnodes", "--nnodes_") and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith("--nnodes="):
+            value = arg.split("=", 1)[1]
+        if value is not None:
+            low, _, high = value.partition(":")
+            with contextlib.suppress(ValueError):
+                return int(low), int(high or low)
+    return None
+
+
+def shared_store_warning(env: Mapping[str, str], agent_args: list[str]) -> str | None:
+    """What to tell an elastic or multi-node torchrun job that shares the agent's rendezvous
+    store with its workers (torchrun's default): when a node comes back, the agents wait on
+    each other's keys in that store and fail after 60 s (docs/elasticity.md)."""
+    nodes = nnodes_of(agent_args)
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or nodes is None or nodes[1] < 2:
+        return None
+    return (f"torchrun --nnodes={':'.join(map(str, dict.fromkeys(nodes)))} shares its "
+            "rendezvous store with the workers: when a node is lost and comes back, the agents "
+            "wait on each other's keys in it and fail after 60 s. Launch with "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in every node's environment (ddp-run sets it), "
+            "see docs/elasticity.md.")  # fmt: skip
+
+
+def agent_args() -> list[str]:
+    """The command line of this worker's parent (its torchrun agent, if any)."""
+    try:
+        raw = Path(f"/proc/{os.getppid()}/cmdline").read_bytes()
+    except OSError:
+        return []
+    return [a.decode(errors="replace") for a in raw.split(b"\0") if a]
+
+
+def restart_note(env: Mapping[str, str] | None = None) -> str | None:
+    """Under a torchrun agent with restarts left, what happens after this rank fails: the
+    agent restarts the workers, which resume by themselves."""
+    env = os.environ if env is None else env
+    left = int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) - int(
+        env.get("TORCHELASTIC_RESTART_COUNT", "0"))  # fmt: skip
+    if left <= 0:
+        return None
+    return (f"torchrun restarts the workers ({left} of its --max-restarts left) and they resume "
+            "from the newest checkpoint by themselves; if it gives up, relaunch the same "
+            "command")  # fmt: skip
 
 
 def first_host(nodelist: str) -> str:

@@ -19,7 +19,14 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from ddp_utils.config import ConfigError
-from ddp_utils.dist import Runtime, barrier, broadcast_object, main_rank_runs, read_launch_env
+from ddp_utils.dist import (
+    Runtime,
+    agent_args,
+    barrier,
+    broadcast_object,
+    main_rank_runs,
+    read_launch_env,
+)
 from ddp_utils.files import UnwritableError, atomic_write_text, writing_into
 from ddp_utils.lock import RunLock
 
@@ -74,11 +81,7 @@ def launch_command() -> str:
     """The command line that started this job, as a user would type it again: torchrun's (or
     ddp-run's) when a torchrun agent is this process's parent, else ``python`` and argv."""
     if read_launch_env().launched:
-        try:
-            raw = Path(f"/proc/{os.getppid()}/cmdline").read_bytes()
-        except OSError:
-            raw = b""
-        agent = [a.decode(errors="replace") for a in raw.split(b"\0") if a]
+        agent = agent_args()
         for i, arg in enumerate(agent):
             name = Path(arg).name
             if name in ("torchrun", "ddp-run"):

@@ -33,3 +33,45 @@ def test_the_identity_ignores_where_the_run_lives():
 
     a, b = run_identity(compose_config("run_dir=/a")), run_identity(compose_config("run_dir=/b"))
     assert a == b and isinstance(a, Identity) and a.settings["optim.lr"] == 0.1
+
+
+def test_an_elastic_launch_sharing_torchruns_store_is_warned_about():
+    from ddp_utils.dist import nnodes_of, shared_store_warning
+
+    assert nnodes_of(["--nnodes=1:2", "train.py"]) == (1, 2)
+    assert nnodes_of(["--nnodes", "4", "train.py"]) == (4, 4)
+    assert nnodes_of(["--standalone", "train.py"]) is None
+    shared = {"TORCHELASTIC_USE_AGENT_STORE": "True"}
+    warning = shared_store_warning(shared, ["--nnodes=1:2", "--rdzv-backend=c10d"])
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in warning and "--nnodes=1:2" in warning
+    # its own store each attempt (the variable set), or one node: nothing to say
+    assert shared_store_warning({}, ["--nnodes=1:2"]) is None
+    assert shared_store_warning(shared, ["--standalone", "--nproc_per_node=2"]) is None
+
+
+def test_ddp_run_gives_multi_node_launches_a_store_of_their_own(monkeypatch):
+    import os
+
+    from ddp_utils import launch
+
+    seen = {}
+    # a copy of the environment, put back after the test
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items()
+                                        if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"})  # fmt: skip
+    monkeypatch.setattr(launch, "torchrun", lambda argv: seen.update(
+        value=os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")))  # fmt: skip
+    launch.main(["--standalone", "--nproc_per_node=2", "train.py"])
+    assert seen["value"] is None
+    launch.main(["--nnodes=1:2", "--rdzv-backend=c10d", "train.py"])
+    assert seen["value"] == "1"
+
+
+def test_a_rank_under_an_agent_with_restarts_left_is_told_it_restarts():
+    from ddp_utils.dist import restart_note
+
+    note = restart_note({"TORCHELASTIC_MAX_RESTARTS": "3", "TORCHELASTIC_RESTART_COUNT": "1"})
+    assert "torchrun restarts the workers (2 of its --max-restarts left)" in note
+    assert (
+        restart_note({"TORCHELASTIC_MAX_RESTARTS": "3", "TORCHELASTIC_RESTART_COUNT": "3"}) is None
+    )
+    assert restart_note({}) is None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -15,7 +16,14 @@ from torch import nn
 
 from ddp_utils.config import TrainConfig, skips_bad_images
 from ddp_utils.data import resolve_data
-from ddp_utils.dist import Runtime, all_reduce_sum, barrier
+from ddp_utils.dist import (
+    Runtime,
+    agent_args,
+    all_reduce_sum,
+    barrier,
+    restart_note,
+    shared_store_warning,
+)
 from ddp_utils.metrics import evaluate, scalars
 from ddp_utils.preemption import Preempted
 from ddp_utils.run import (
@@ -313,6 +321,9 @@ def fit(
         try:
             setup_logging(run.path, rt, "train")
             log.info(run.why)
+            warning = shared_store_warning(os.environ, agent_args()) if rt.is_main else None
+            if warning:
+                log.warning(warning)
             extra = [*callbacks, *([Profiler(cfg.trainer.profiler)] if cfg.trainer.profile else [])]
             tr = build_training(cfg, rt, run.path, build_callbacks(cfg.callbacks, extra))
             try:
@@ -335,9 +346,10 @@ def fit(
             if tr is None or tr.step < tr.first_step:  # no step taken: nothing to keep
                 remove_if_unused(run, rt)
             elif rt.is_main and not isinstance(e, Preempted):  # Preempted's line says it
-                log.warning("the run stopped at step %d; run_dir=%s keeps its checkpoints: "
-                            "relaunch the same command to resume, or name the run: %s",
-                            tr.step, run.path, resume_command(run.path))  # fmt: skip
+                then = restart_note() or ("relaunch the same command to resume, or name the "
+                                          f"run: {resume_command(run.path)}")  # fmt: skip
+                log.warning("the run stopped at step %d; run_dir=%s keeps its checkpoints: %s",
+                            tr.step, run.path, then)  # fmt: skip
             raise
     finally:
         if run.lock is not None:
