@@ -46,7 +46,11 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str) -> list[int]:
             "characters of the training text."
         ) from None
     if not ids:
-        raise ConfigError("prompt is empty: give at least one character, e.g. prompt='\\n'.")
+        # A shell and Hydra pass '\n' on as a backslash and an n: the default is the newline.
+        raise ConfigError(
+            "prompt is empty: leave prompt out to start from a new line (its "
+            'default), or give some text: "prompt=def ".'
+        )
     return ids
 
 

@@ -357,3 +357,14 @@ def test_gpt_attention_under_cpu_bf16_autocast_runs_in_fp32_and_returns_bf16():
     for got, ref in ((q.grad, q32.grad), (k.grad, k32.grad), (v.grad, v32.grad)):
         assert got.dtype == torch.bfloat16
         torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_an_empty_prompt_suggests_what_a_shell_passes_on():
+    from ddp_utils.data.tokenizer import from_spec
+    from ddp_utils.generation import encode_prompt
+
+    tokenizer = from_spec({"kind": "char", "chars": sorted("def \n")})
+    with pytest.raises(ConfigError) as e:
+        encode_prompt(tokenizer, "")
+    assert "leave prompt out" in str(e.value) and "\\n" not in str(e.value)
+    assert encode_prompt(tokenizer, "def ") == tokenizer.encode("def ").tolist()
