@@ -146,7 +146,27 @@ def test_trainer_profile_writes_a_trace_and_prints_where_the_steps_go(tmp_path, 
     assert "profile of rank 0, 5 steps to step 12" in log and "top operators:" in log
     table = log.split("share of the steps")[1].split("top operators:")[0]
     shares = dict(re.findall(r"\n(\w+) +([\d.]+)%", table))
-    assert set(shares) == {"data", "forward", "backward", "optimizer", "communication", "other"}
+    assert set(shares) == {"data", "forward", "backward", "optimizer", "validation",
+                           "checkpoint", "communication", "other"}  # fmt: skip
     assert 50 < sum(float(shares[p]) for p in ("data", "forward", "backward", "optimizer")) <= 100
     assert "profile of rank 0" in proc.stdout + proc.stderr
     assert not (two_epoch_run[0] / "profile").exists()  # off by default
+
+
+def test_trainer_profile_explains_a_default_run_and_a_run_too_short_for_it(tmp_path):
+    """At the default batch the window holds the epoch's end: validation and the checkpoint
+    have rows of their own, and what no row explains stays small; a run shorter than the
+    window says so."""
+    run = tmp_path / "run"
+    run_script("train.py", "trainer.profile=true", "trainer.max_steps=14", "logger=none",
+               f"run_dir={run}", nproc=2)  # fmt: skip
+    log = (run / "train.log").read_text()
+    table = log.split("share of the steps")[1].split("top operators:")[0]
+    shares = {k: float(v) for k, v in re.findall(r"\n(\w+) +([\d.]+)%", table)}
+    assert shares["validation"] + shares["checkpoint"] > 0, table
+    assert shares["other"] < 30, table
+    short = tmp_path / "short"
+    proc = run_script("train.py", "trainer.profile=true", "trainer.max_steps=5", "logger=none",
+                      f"run_dir={short}", nproc=1)  # fmt: skip
+    assert "before the profiler's window" in proc.stdout + proc.stderr
+    assert not (short / "profile").exists()

@@ -190,7 +190,8 @@ def after_step(tr: Training, checkpoint_follows: bool) -> None:
     if tr.stop.poll():
         if tr.stop.diverged:
             raise diverged(tr, "the training loss")
-        save(tr)
+        with tr.phase("checkpoint"):
+            save(tr)
         stopped = Preempted(tr.step, tr.stop.signum)
         if tr.rt.is_main:  # one line: every rank stops at this same step
             log.warning("%s: checkpoint written in run_dir=%s, exiting with code %d; relaunch the "
@@ -199,7 +200,8 @@ def after_step(tr: Training, checkpoint_follows: bool) -> None:
         raise stopped
     every = tr.cfg.trainer.ckpt_every_steps
     if every and tr.step % every == 0 and not checkpoint_follows:
-        save(tr)
+        with tr.phase("checkpoint"):
+            save(tr)
     tr.progress.update(tr.step)
     if tr.step % tr.cfg.trainer.log_every_steps == 0 and tr.rt.is_main:
         # This rank's running loss: one host sync per log point, none per step.
@@ -261,11 +263,30 @@ def validate_and_save(
     tr: Training, train_stats: dict[str, float], epoch_done: bool = True
 ) -> dict[str, Any]:
     """Score the model on every rank (and the EMA weights), log it, then checkpoint: the start
-    of the next epoch (``epoch_done``) or, in step mode, this step inside the epoch."""
+    of the next epoch (``epoch_done``) or, in step mode, this step inside the epoch. The
+    profiler's phases: ``validation`` for all but the checkpoint, ``checkpoint`` for it."""
     if not math.isfinite(train_stats["train/loss"]):  # all-reduced: the same on every rank
         raise diverged(tr, "the training loss")
-    # Validate exactly what the checkpoint below holds: rank 0's running statistics. (Training
-    # is unchanged: rank 0's statistics follow their own course whatever the others hold.)
+    with tr.phase("validation"):
+        record, also = score_and_log(tr, train_stats)
+    if epoch_done:
+        tr.epoch, tr.sample_offset = tr.epoch + 1, 0
+    tr.epoch_totals.zero_()
+    with tr.phase("checkpoint"):
+        save(tr, also=tuple(also))
+    with tr.phase("validation"):
+        # After the checkpoint: a step a tracker has is one a resume does not train again.
+        tr.trackers.log(record | {"peak_memory_mb": peak_memory_mb(tr.rt.device)}, tr.step)
+        tr.callbacks.on_epoch_end(tr, record)
+    tr.interval_start, tr.interval_samples = time.perf_counter(), tr.samples_seen
+    return record
+
+
+def score_and_log(tr: Training, train_stats: dict[str, float]) -> tuple[dict[str, Any], list]:
+    """The validation record (metrics.jsonl's line and the log's), and the best checkpoints
+    it makes (``best.pt``, ``best_ema.pt``)."""
+    # Validate exactly what the checkpoint holds: rank 0's running statistics. (Training is
+    # unchanged: rank 0's statistics follow their own course whatever the others hold.)
     scored = tr.strategy.eval_model
     tr.strategy.sync_buffers([scored] + ([tr.ema.module] if tr.ema is not None else []))
     record = {
@@ -287,15 +308,7 @@ def validate_and_save(
     if tr.ema is not None and improved(record[f"val_ema/{key}"], tr.best_ema, mode):
         tr.best_ema = record[f"val_ema/{key}"]
         also += ["best_ema.pt"] if tr.cfg.trainer.save_best_ema else []
-    if epoch_done:
-        tr.epoch, tr.sample_offset = tr.epoch + 1, 0
-    tr.epoch_totals.zero_()
-    save(tr, also=tuple(also))
-    # After the checkpoint: a step a tracker has is one a resume does not train again.
-    tr.trackers.log(record | {"peak_memory_mb": peak_memory_mb(tr.rt.device)}, tr.step)
-    tr.callbacks.on_epoch_end(tr, record)
-    tr.interval_start, tr.interval_samples = time.perf_counter(), tr.samples_seen
-    return record
+    return record, also
 
 
 def fit(

@@ -7,7 +7,8 @@ On the ranks ``trainer.profiler.ranks`` (the main rank by default) the steps aft
 trace goes to ``run_dir/profile/rank<R>.step<N>.pt.trace.json`` (Perfetto, ui.perfetto.dev,
 or TensorBoard's profiler plugin read it), and the rank logs two tables: the share of the
 recorded steps spent in each phase (data loading, forward, backward, optimizer,
-communication, the rest), and the top operators by their own time. Off, nothing is
+communication, validation, checkpoints, the rest), and the top operators by their own time.
+A run that ends before the window reaches a recorded step says so. Off, nothing is
 recorded: the loop's phase marks are one shared no-op context.
 """
 
@@ -27,7 +28,9 @@ if TYPE_CHECKING:
     from ddp_utils.config.schema import ProfilerOptions
     from ddp_utils.train.state import Training
 
-PHASES = ("data", "forward", "backward", "optimizer")  # the loop's marks (Training.phase)
+# The loop's marks (Training.phase): a step's four, and the validation and checkpoint that
+# fall in some steps' windows (in an epoch-mode run, every epoch's last step)
+PHASES = ("data", "forward", "backward", "optimizer", "validation", "checkpoint")
 # Collectives as the profiler names them: c10d's ops and the backends' own.
 COMMUNICATION = ("all_reduce", "allreduce", "reduce_scatter", "all_gather", "allgather",
                  "broadcast", "barrier")  # fmt: skip
@@ -41,7 +44,8 @@ def no_phase(name: str) -> contextlib.AbstractContextManager:
 
 def batches(loader: Any, phase: Callable[[str], contextlib.AbstractContextManager]) -> Iterator:
     """``loader``'s batches, each fetched inside the ``data`` phase."""
-    items = iter(loader)
+    with phase("data"):
+        items = iter(loader)  # an epoch's start: its order, its workers' first batches
     while True:
         with phase("data"):
             try:
@@ -88,7 +92,15 @@ class Profiler(Callback):
                 self.stop(tr)
 
     def on_train_end(self, tr: Training) -> None:
+        recording = self.prof is not None
         self.stop(tr)
+        if recording and not self.reported:
+            o = self.options
+            log.warning("trainer.profile: the run ended at step %d, before the profiler's "
+                        "window (wait %d, warm-up %d, then %d recorded steps, from step %d) "
+                        "reached a recorded step: nothing was written. Lower "
+                        "trainer.profiler.wait or run longer", tr.step, o.wait, o.warmup,
+                        o.active, tr.first_step)  # fmt: skip
 
     def stop(self, tr: Training) -> None:
         if self.prof is not None:
@@ -116,9 +128,9 @@ class Profiler(Callback):
 def phase_table(events: Any) -> str:
     """Each phase's share of the recorded steps' wall time, on the training thread.
     Communication is the time that thread spent in collective calls (launching them, and
-    waiting for them: DDP's buckets inside the backward, so it overlaps that row); 'other' is
-    what no mark covers: a validation or checkpoint that fell in the steps, logging,
-    callbacks, waiting on the device."""
+    waiting for them: DDP's buckets inside the backward, so it overlaps that row); a
+    validation or checkpoint that fell in the recorded steps has its own row; 'other' is what
+    no mark covers: logging, callbacks, the progress line, waiting on the device."""
     step_events = [e for e in events if e.name.startswith("ProfilerStep")]
     if not step_events:
         return "(no step was recorded)"
