@@ -65,6 +65,7 @@ def test_one_process_two_processes_and_accumulation_train_alike(tmp_path, path):
         proc = run_ranks("train.py", *args, cap, f"run_dir={run_dir}", nproc=nproc)
         if name.startswith("3"):
             assert "x 3 accumulation steps" in proc.stdout, proc.stdout
+            assert f"is 3 accumulation steps of {batch // 3} a process" in proc.stdout
         got[name] = params(run_dir)
     base = got["1 x G"]
     for name, p in got.items():

@@ -388,6 +388,20 @@ def draw_pictures(tr: Training, model: nn.Module | None) -> None:
                      tr.rt, tr.data.classes, tr.run_dir)  # fmt: skip
 
 
+def accumulation_note(cfg: TrainConfig, rt: Runtime) -> str:
+    """What a global batch made by accumulation keeps and what it does not, and how to take it
+    in one pass a process (docs/training-details.md)."""
+    d, t = cfg.data, cfg.trainer
+    per_step = d.global_batch_size // rt.world_size
+    return (f"data.global_batch_size={d.global_batch_size} at world size {rt.world_size} is "
+            f"{t.grad_accum_steps} accumulation steps of {d.batch_size} a process "
+            f"(data.batch_size={d.batch_size}, the most a process takes): the optimisation of "
+            f"{per_step} a process at optim.lr={cfg.optim.lr:g}, the learning rate set for this "
+            f"global batch, with the same steps; BatchNorm and dropout see {d.batch_size} a "
+            f"process. To take {per_step} a process in one pass, set data.batch_size={per_step} "
+            "where memory allows, or launch more processes")  # fmt: skip
+
+
 def train_epochs(tr: Training) -> None:
     """Resume if there is a checkpoint, then train the remaining epochs (or steps)."""
     cfg, rt, t = tr.cfg, tr.rt, tr.cfg.trainer
@@ -403,6 +417,8 @@ def train_epochs(tr: Training) -> None:
         tr.run_dir, rt.world_size, rt.device, rt.backend, t.precision, global_batch(cfg, rt),
         cfg.data.batch_size, rt.world_size, t.grad_accum_steps, tr.total_steps,
     )  # fmt: skip
+    if rt.is_main and cfg.data.global_batch_size and t.grad_accum_steps > 1:
+        log.warning(accumulation_note(cfg, rt))
     tracked = TrackedRun(tr.run_dir, tr.run_dir.name, tr.config_record, tr.resumed_trackers)
     tr.trackers.start(tracked, read_metrics(tr.run_dir) if rt.is_main else [])
     if finished(tr):
