@@ -332,6 +332,9 @@ def shutdown(together: bool = True, wait_s: float = LEAVE_WAIT_S) -> None:
         dist.destroy_process_group()
         if world > 1 and together:
             leave_together(store, world, wait_s)
+        # The store goes with the group: a fork of this process (a test's ranks) would
+        # otherwise inherit a store whose server thread it does not have, and hang replacing it.
+        _GROUP_STORE.clear()
     gc.collect()
 
 
