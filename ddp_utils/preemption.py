@@ -155,7 +155,8 @@ class StopRequest:
     next, so it overlaps with the steps between, and all ranks see the same answer at the same
     step. The main rank times the steps and proposes the next gap in the same reduce (the other
     ranks send 0; MAX keeps its value), so the gap is agreed as the answer is. A stop comes at
-    most about ``2 * every_s`` after the signal.
+    most about ``2 * every_s`` after the signal, and at the latest at the next checkpoint or the
+    run's end, where the ranks agree at once (``poll(sync=True)``).
     """
 
     MAX_GAP = 10_000  # steps between two polls at most
@@ -192,23 +193,27 @@ class StopRequest:
             os._exit(INTERRUPTED_EXIT)
         self.signum = self.signum or signum
 
-    def poll(self) -> bool:
+    def poll(self, sync: bool = False) -> bool:
         """Called by every rank at every step boundary: True when all ranks should stop now
-        (``signum`` then says why, or ``diverged``)."""
+        (``signum`` then says why, or ``diverged``). ``sync``: a checkpoint or the run's end
+        follows this step (every rank passes the same): the ranks agree now, on what they
+        hold now, so a signal that came since the last poll step is not left behind."""
         if not self._distributed:
             return self.signum != 0 or self.diverged
         self._countdown -= 1
-        if self._countdown > 0:
+        if self._countdown > 0 and not sync:
             return False
-        agreed, stepped = False, self._gap  # the steps since the last poll step
+        agreed, stepped = False, self._gap - max(self._countdown, 0)  # since the last poll
         if self._pending is not None:
             self._pending.wait()
             signum, diverged, gap = (int(v) for v in self._flag.tolist())
-            agreed = signum != 0 or diverged != 0
-            self.diverged = self.diverged or diverged != 0
-            if signum and not self.signum:
-                self.signum = signum  # another rank got it; stop as one
+            agreed = self._agree(signum, diverged)
             self._gap = max(1, gap)
+        if sync and not agreed:
+            now = torch.tensor([self.signum, int(self.diverged)], dtype=torch.int64)
+            dist.all_reduce(now, op=dist.ReduceOp.MAX, group=self._group)
+            agreed = self._agree(*(int(v) for v in now.tolist()))
+            self.reduces += 1
         self._countdown = self._gap
         self._flag = torch.tensor([self.signum, int(self.diverged), self._next_gap(stepped)],
                                   dtype=torch.int64)  # fmt: skip
@@ -217,6 +222,13 @@ class StopRequest:
         )
         self.reduces += 1
         return agreed
+
+    def _agree(self, signum: int, diverged: int) -> bool:
+        """Take the ranks' reduced flags as this rank's; whether they ask to stop."""
+        self.diverged = self.diverged or diverged != 0
+        if signum and not self.signum:
+            self.signum = signum  # another rank got it; stop as one
+        return signum != 0 or diverged != 0
 
     def _next_gap(self, stepped: int) -> int:
         """The main rank's proposal: the steps that take about ``every_s``, at the pace of the

@@ -96,6 +96,7 @@ def test_a_cpus_peak_is_measured_once_and_cached(monkeypatch, tmp_path):
         return 1.5e11
 
     monkeypatch.setattr(flops, "measure_matmul_flops", measure)
+    monkeypatch.setattr(flops, "busy", lambda: 0.0)
     assert peak_flops(CPU, "32", None) == (1.5e11, "a matmul measured on this machine")
     assert peak_flops(CPU, "32", None)[0] == 1.5e11
     assert peak_flops(CPU, "bf16", None)[0] == 1.5e11
@@ -112,3 +113,22 @@ def test_gpu_peaks_come_from_the_datasheet_table():
     assert gpu_peak_flops("NVIDIA A100-SXM4-80GB", "32", False) == 19.5e12
     assert gpu_peak_flops("NVIDIA L4", "fp16", False) == 121e12
     assert gpu_peak_flops("Some Future GPU", "bf16", True) is None  # then measured
+
+
+def test_a_peak_measured_on_a_busy_machine_is_measured_again_when_it_is_quieter(
+    monkeypatch, tmp_path
+):
+    speeds, load = iter([1e10, 2e11, 1e11]), {"now": 2.0}
+    monkeypatch.setattr(flops, "measure_matmul_flops", lambda d, t, s: next(speeds))
+    monkeypatch.setattr(flops, "busy", lambda: load["now"])
+    assert peak_flops(CPU, "32", None)[0] == 1e10  # all cores busy: every round slow
+    assert peak_flops(CPU, "32", None)[0] == 1e10  # still as busy: kept
+    load["now"] = 0.1
+    assert peak_flops(CPU, "32", None)[0] == 2e11  # quieter: measured again, the faster kept
+    assert peak_flops(CPU, "32", None)[0] == 2e11  # measured on a quiet machine: kept
+    # a cache written before the load was kept is measured again once, the faster kept
+    path = tmp_path / "cache" / "ddp-recipes" / "peak_flops.json"
+    key = next(iter(json.loads(path.read_text())))
+    path.write_text(json.dumps({key: 3e11}))
+    assert peak_flops(CPU, "32", None)[0] == 3e11
+    assert json.loads(path.read_text())[key] == {"flops": 3e11, "load": 0.1}

@@ -12,7 +12,9 @@ import pytest
 from conftest import in_gloo_group
 
 
-def _stop_step(rank: int, world: int, signalled: int, at: int, every_s: float) -> dict:
+def _stop_step(
+    rank: int, world: int, signalled: int, at: int, every_s: float, sync_every: int = 0
+) -> dict:
     import torch.distributed as dist
 
     from ddp_utils.preemption import StopRequest
@@ -26,7 +28,7 @@ def _stop_step(rank: int, world: int, signalled: int, at: int, every_s: float) -
             time.sleep(0.03)  # a validation now and then
         if rank == signalled and step == at:
             stop.signum = signal.SIGTERM  # what the handler records
-        if stop.poll():
+        if stop.poll(sync=bool(sync_every) and step % sync_every == 0):
             stopped = step
             break
     reduces = stop.reduces
@@ -55,3 +57,9 @@ def test_every_rank_stops_at_the_same_step_with_a_reduce_every_poll_interval(
 def test_a_poll_every_step_still_agrees(tmp_path):
     got = in_gloo_group(_stop_step, 2, tmp_path, 1, 5, 0.0)
     assert got["steps"][0] == got["steps"][1] and got["steps"][0] in (6, 7)
+
+
+def test_a_checkpoint_step_agrees_at_once_on_a_signal_since_the_last_poll(tmp_path):
+    # polled about every 5 s: without the checkpoint at step 50 the stop would come far later
+    got = in_gloo_group(_stop_step, 2, tmp_path, 1, 45, 5.0, 50)
+    assert got["steps"] == [50, 50]

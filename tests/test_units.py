@@ -81,7 +81,8 @@ def test_survivors_of_a_lost_peer_leave_the_group_without_waiting_for_it(monkeyp
     from ddp_utils.preemption import StoppedEarly
 
     calls = []
-    monkeypatch.setattr(dist_module, "shutdown", lambda together=True: calls.append(together))
+    monkeypatch.setattr(dist_module, "shutdown",
+                        lambda together=True, wait_s=30.0: calls.append(together))  # fmt: skip
     lost = RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [::1]:1")
     with pytest.raises(RuntimeError), process_group_left():
         raise lost

@@ -187,7 +187,10 @@ def after_step(tr: Training, checkpoint_follows: bool) -> None:
         log.info("first training step done %.2f s after the process started",
                  seconds_since_process_start() or float("nan"))  # fmt: skip
     tr.callbacks.on_step_end(tr)
-    if tr.stop.poll():
+    every = tr.cfg.trainer.ckpt_every_steps
+    step_checkpoint = bool(every) and tr.step % every == 0 and not checkpoint_follows
+    # Before any checkpoint and at the run's end the ranks agree at once on a stop signal
+    if tr.stop.poll(sync=checkpoint_follows or step_checkpoint or finished(tr)):
         if tr.stop.diverged:
             raise diverged(tr, "the training loss")
         with tr.phase("checkpoint"):
@@ -198,8 +201,7 @@ def after_step(tr: Training, checkpoint_follows: bool) -> None:
                         "same command to resume, or name the run: %s", stopped, tr.run_dir,
                         stopped.exit_code, resume_command(tr.run_dir))  # fmt: skip
         raise stopped
-    every = tr.cfg.trainer.ckpt_every_steps
-    if every and tr.step % every == 0 and not checkpoint_follows:
+    if step_checkpoint:
         with tr.phase("checkpoint"):
             save(tr)
     tr.progress.update(tr.step)
