@@ -37,7 +37,8 @@ needs_mnist = pytest.mark.skipif(
 # The longest files first: `make test` runs one file per CPU at a time (xdist --dist
 # loadfile), handed out in collection order, so starting with the long ones packs them best.
 LONGEST_FIRST = ("test_fsdp2_e2e", "test_resume_e2e", "test_imagefolder_e2e", "test_shards_e2e",
-                 "test_detection_e2e", "test_task_shards_e2e",
+                 "test_accumulation_e2e", "test_detection_e2e", "test_task_shards_e2e",
+                 "test_interrupt_e2e",
                  "test_slurm_e2e", "test_strategy_matrix_e2e", "test_trackers_e2e",
                  "test_search_e2e", "test_docs", "test_multinode_sweep_e2e", "test_bench",
                  "test_failures_e2e", "test_full_disk_e2e", "test_segmentation_e2e",

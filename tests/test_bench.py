@@ -273,7 +273,7 @@ def test_gpu_check_ends_at_its_deadline_with_the_unrun_checks_failed(tmp_path, m
     tests = tmp_path / "test_slow.py"
     tests.write_text(SLOW_TESTS)
     monkeypatch.setenv("CHILD_PID", str(tmp_path / "child.pid"))
-    clock = gpu_check.Clock(25.0)
+    clock = gpu_check.Clock(15.0)
     rows = gpu_check.run_tests(clock, tmp_path, [str(tests)], reserve=0.0)
     assert clock.left() < 5.0  # it waited for the deadline, no longer
     got = {r.check: (r.result, r.detail) for r in rows}
