@@ -87,7 +87,7 @@ class _StuckWatch:
     took it within ``STUCK_GRACE_S``: the main thread is stuck in C++."""
 
     def __init__(self, on_stuck: Callable[[StoppedEarly], None]) -> None:
-        self.on_stuck = on_stuck
+        self.on_stuck, self.closed = on_stuck, False
         self.read_fd, self.write_fd = os.pipe()
         os.set_blocking(self.write_fd, False)
         self.previous = signal.set_wakeup_fd(self.write_fd, warn_on_full_buffer=False)
@@ -95,19 +95,24 @@ class _StuckWatch:
         self.thread.start()
 
     def watch(self) -> None:
-        while data := os.read(self.read_fd, 64):
-            for signum in data:
-                if signum in STOP_SIGNALS and not _in_loop and not _stopping:
-                    time.sleep(STUCK_GRACE_S)
-                    if not _in_loop and not _stopping and os.getpid() == _owner:
-                        self.on_stuck(StoppedEarly(signum))
+        try:
+            while data := os.read(self.read_fd, 64):
+                for signum in data:
+                    if signum in STOP_SIGNALS and not _in_loop and not _stopping:
+                        time.sleep(STUCK_GRACE_S)
+                        # the job ended meanwhile (a sweep's next may have begun): not ours
+                        if self.closed:
+                            return
+                        if not _in_loop and not _stopping and os.getpid() == _owner:
+                            self.on_stuck(StoppedEarly(signum))
+        finally:
+            os.close(self.read_fd)  # here, not in close(): a sleeping watch still holds it
 
     def close(self) -> None:
+        self.closed = True
         with contextlib.suppress(ValueError):
             signal.set_wakeup_fd(self.previous)
-        os.close(self.write_fd)  # the thread reads the end of the pipe and returns
-        self.thread.join(timeout=1.0)
-        os.close(self.read_fd)
+        os.close(self.write_fd)  # the watch reads the pipe's end and returns
 
 
 def _forget_wakeup_fd() -> None:

@@ -63,3 +63,40 @@ def test_a_checkpoint_step_agrees_at_once_on_a_signal_since_the_last_poll(tmp_pa
     # polled about every 5 s: without the checkpoint at step 50 the stop would come far later
     got = in_gloo_group(_stop_step, 2, tmp_path, 1, 45, 5.0, 50)
     assert got["steps"] == [50, 50]
+
+
+STUCK = """
+import os, signal, sys, threading, time
+from datetime import timedelta
+import torch.distributed as dist
+from ddp_utils import preemption
+preemption.STUCK_GRACE_S = 0.5
+def on_stuck(stop):
+    print("stuck:", stop, flush=True)
+    os._exit(stop.exit_code)
+try:
+    with preemption.stop_signals_act_at_once(on_stuck):
+        threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
+        if sys.argv[1] == "c++":
+            dist.HashStore().wait(["never"], timedelta(seconds=60))  # never back in Python
+        else:
+            time.sleep(60)
+except preemption.StoppedEarly as e:
+    time.sleep(1.0)  # unwinding: the watch must leave it alone
+    print("handled:", e, flush=True)
+"""
+
+
+@pytest.mark.parametrize(("where", "says"), [("c++", "stuck:"), ("python", "handled:")])
+def test_a_stop_signal_the_main_thread_cannot_take_still_ends_the_process(where, says):
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", STUCK, where], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert time.monotonic() - start < 30, "waited for the C++ call's own timeout"
+    assert f"{says} stopped by SIGTERM before the first training step" in proc.stdout, proc
+    assert proc.returncode == (75 if where == "c++" else 0), proc.stderr
