@@ -35,7 +35,11 @@ class Fault(Callback):
         if self.kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         if self.kind == "rmtree":
-            shutil.rmtree(self.mark)
+            # gone at once (renamed away, then removed): the run's own processes may make the
+            # folder again while a plain rmtree is still walking it
+            gone = f"{self.mark}.gone"
+            os.rename(self.mark, gone)
+            shutil.rmtree(gone)
             return
         if self.mark:
             Path(self.mark).write_text(str(time.time()))
