@@ -91,8 +91,8 @@ def fixed_mmap_threshold(nbytes: int = 1 << 20) -> None:
     """On a CPU (glibc), allocate blocks from ``nbytes`` up with mmap and give them back when
     freed. glibc otherwise raises its mmap threshold after each large free, so the unit-sized
     buffers FSDP2 all-gathers and frees every forward and backward end up in the heap, which
-    is not returned: measured here on the 124M GPT at world size 2, the resident memory after
-    three steps was 2,785 MiB a rank (more than DDP's 2,780) and 1,487 MiB with this."""
+    is not returned: a sharded rank then holds as much resident memory as DDP's whole replica
+    (make bench-memory, docs/measurements.md)."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:  # not glibc: nothing to set

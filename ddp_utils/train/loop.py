@@ -354,8 +354,8 @@ def fit(
                 raise
             tr.close()
             # Every rank has finished before any leaves the group: a rank that tore gloo down
-            # while its peer still closed its helpers aborted the peer once ("terminate called
-            # without an active exception", a restarted run of tests/test_detection_e2e.py).
+            # while its peer still closed its helpers can abort the peer ("terminate called
+            # without an active exception").
             barrier()
         except BaseException as e:
             if tr is None or tr.step < tr.first_step:  # no step taken: nothing to keep
