@@ -17,7 +17,7 @@ from conftest import ROOT, child_env
 
 DDP_RUN = ROOT / ".venv" / "bin" / "ddp-run"
 # (line to wait for, seconds after it): from the first line to the training loop
-POINTS = [("run_dir=", 0.0), ("model FLOPs", 0.0), ("model FLOPs", 0.6), ("model FLOPs", 0.6),
+POINTS = [("run_dir=", 0.0), ("model FLOPs", 0.6), ("model FLOPs", 0.6),
           ("model FLOPs", 1.2)]  # fmt: skip
 BOUND_S = 15.0  # torchrun's own kill came at 30 s; a stop within seconds is well inside this
 
