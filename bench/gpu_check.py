@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 DEADLINE_S = 570.0  # the whole call, start-up and table included, under 10 minutes
 BENCH_S = 150.0  # held back from the tests for bench-gpu
+WORKERS = 4  # tests run at once: each trains a small model on the GPU(s) for seconds
 TESTS = ["tests/test_cuda_startup_units.py", "tests/test_hardware_units.py", "tests/test_gpu.py"]
 
 
@@ -76,7 +77,10 @@ def run(cmd: list[str], timeout: float, cwd: Path = ROOT) -> tuple[int | None, s
     return code, out, time.monotonic() - start
 
 
-VERBOSE = re.compile(r"^(\S+?)::(\S+) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)")
+# pytest -v's result lines: "path::name PASSED [ 10%]", or under xdist
+# "[gw1] [ 10%] PASSED path::name"
+VERBOSE = (re.compile(r"^(\S+?)::(\S+) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)"),
+           re.compile(r"(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS) (\S+?)::(\S+)\s*$"))  # fmt: skip
 RESULTS = {"PASSED": "ok", "FAILED": "FAIL", "ERROR": "FAIL", "SKIPPED": "skipped",
            "XFAIL": "ok", "XPASS": "FAIL"}  # fmt: skip
 
@@ -100,10 +104,14 @@ def test_rows(junit: Path, output: str, wanted: list[str], stopped: bool) -> lis
                 rows[name] = Row(name, "ok", seconds, "")
     else:
         for line in output.splitlines():
-            m = VERBOSE.match(line)
-            if m:
-                name = f"{Path(m.group(1)).stem}::{m.group(2)}"
-                rows[name] = Row(name, RESULTS[m.group(3)], 0.0, "")
+            if m := VERBOSE[0].match(line):
+                path, test, result = m.group(1), m.group(2), m.group(3)
+            elif m := VERBOSE[1].search(line):
+                result, path, test = m.group(1), m.group(2), m.group(3)
+            else:
+                continue
+            name = f"{Path(path).stem}::{test}"
+            rows[name] = Row(name, RESULTS[result], 0.0, "")
     for name in wanted:
         if name not in rows:
             why = "not run: the deadline came first" if stopped else "not run"
@@ -128,13 +136,19 @@ def collected(tests: list[str]) -> list[str]:
 
 
 def run_tests(
-    clock: Clock, work: Path, tests: list[str] = TESTS, reserve: float = BENCH_S
+    clock: Clock,
+    work: Path,
+    tests: list[str] = TESTS,
+    reserve: float = BENCH_S,
+    workers: int = WORKERS,
 ) -> list[Row]:
-    """The tests, one row each, in what is left of the deadline less ``reserve``."""
+    """The tests, one row each, in what is left of the deadline less ``reserve``; ``workers``
+    at a time (pytest-xdist, test by test: each run is small beside a GPU's memory)."""
     wanted = collected(tests)
     junit = work / "junit.xml"
+    spread = ["-n", str(workers), "--dist", "load"] if workers > 1 else []
     cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", f"--basetemp={work}/t",
-           f"--junitxml={junit}", *tests]  # fmt: skip
+           f"--junitxml={junit}", *spread, *tests]  # fmt: skip
     code, out, _ = run(cmd, clock.left(reserve))
     rows = test_rows(junit, out, wanted, stopped=code is None)
     if code not in (0, 1) and not any(r.result == "FAIL" for r in rows):

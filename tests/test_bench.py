@@ -274,7 +274,7 @@ def test_gpu_check_ends_at_its_deadline_with_the_unrun_checks_failed(tmp_path, m
     tests.write_text(SLOW_TESTS)
     monkeypatch.setenv("CHILD_PID", str(tmp_path / "child.pid"))
     clock = gpu_check.Clock(15.0)
-    rows = gpu_check.run_tests(clock, tmp_path, [str(tests)], reserve=0.0)
+    rows = gpu_check.run_tests(clock, tmp_path, [str(tests)], reserve=0.0, workers=1)
     assert clock.left() < 5.0  # it waited for the deadline, no longer
     got = {r.check: (r.result, r.detail) for r in rows}
     assert got["test_slow::test_first"] == ("ok", "")
@@ -287,6 +287,11 @@ def test_gpu_check_ends_at_its_deadline_with_the_unrun_checks_failed(tmp_path, m
         assert time.monotonic() < deadline, "the stuck test's child outlived the deadline"
         time.sleep(0.1)
     assert gpu_check.report(rows, "test host", tmp_path / "r.json") == 1
+    # the verbose lines pytest-xdist prints name the same rows
+    xdist = ("[gw1] [ 33%] PASSED tmp/test_slow.py::test_first\n"
+             "[gw0] [ 66%] FAILED x/test_slow.py::test_stuck\n")  # fmt: skip
+    got = {r.check: r.result for r in gpu_check.test_rows(tmp_path / "none.xml", xdist, [], False)}
+    assert got == {"test_slow::test_first": "ok", "test_slow::test_stuck": "FAIL"}
 
 
 def test_benchmarks_run_both_sides_on_one_device(monkeypatch):
