@@ -29,7 +29,7 @@ PHASES = [  # (phase, a frame that marks it); the first match wins
     ("step: optimizer", "optimizer_step"),
     ("step: optimizer", "step (torch/optim"),
     ("validation", "evaluate ("),
-    ("checkpoint", "save (ddp_utils/train/resume"),
+    ("checkpoint", "save (ddp_utils/checkpoint/save"),
     ("checkpoint", "save (torch/serialization"),
     ("step: forward and the rest", "train_one_epoch"),
     ("build: model, data, metrics", "build_training"),

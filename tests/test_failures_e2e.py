@@ -24,8 +24,8 @@ from conftest import (
     wait_for_step_checkpoint,
 )
 
+from ddp_utils.checkpoint.finite import DIVERGED_EXIT
 from ddp_utils.config import options_help
-from ddp_utils.train.finite import DIVERGED_EXIT
 
 RUN = ("trainer.epochs=2", "data.batch_size=10", "trainer.ckpt_every_steps=10")
 DDP_RUN = [sys.executable, "-m", "ddp_utils.launch"]

@@ -214,8 +214,8 @@ def test_a_diverged_trial_fails_alone_and_a_mistake_stops_the_search(tmp_path):
     from hydra.core.utils import JobReturn, JobStatus
     from omegaconf import OmegaConf
 
+    from ddp_utils.checkpoint.finite import NonFiniteError
     from ddp_utils.sweep.driver import SearchRun
-    from ddp_utils.train.finite import NonFiniteError
 
     config = OmegaConf.create({"task": {"monitor_mode": "max"}, "hydra": {
         "job": {"name": "train"}, "sweep": {"dir": str(tmp_path)}, "sweeper": {}}})  # fmt: skip

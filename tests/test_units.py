@@ -369,7 +369,7 @@ def test_an_unwritable_run_dir_is_one_paragraph_and_leaves_no_torn_line(tmp_path
 def test_the_divergence_message_suggests_only_what_would_change(tmp_path, precision, clip):
     from types import SimpleNamespace
 
-    from ddp_utils.train.finite import diverged
+    from ddp_utils.checkpoint import diverged
 
     trainer = SimpleNamespace(grad_clip=clip, precision=precision)
     cfg = SimpleNamespace(optim=SimpleNamespace(lr=0.1), trainer=trainer)
@@ -384,8 +384,8 @@ def test_the_divergence_message_suggests_only_what_would_change(tmp_path, precis
 def test_a_checkpoint_from_before_per_option_schemas_resumes_and_evaluates():
     """That release stored every data option's keys (and every model option's) whatever the
     option: they are not this option's, so they are neither compared nor merged."""
+    from ddp_utils.checkpoint.resume import config_changes
     from ddp_utils.config import TrainConfig, as_plain_dict, from_record, to_schema
-    from ddp_utils.train.resume import config_changes
 
     stored = as_plain_dict(TrainConfig())
     stored["data"] |= {"root": "data", "download": False, "train_dir": "train", "val_dir": "val",
@@ -401,8 +401,8 @@ def test_a_checkpoint_from_before_per_option_schemas_resumes_and_evaluates():
 
 
 def test_a_custom_targets_arguments_belong_to_the_runs_identity():
+    from ddp_utils.checkpoint.resume import config_changes
     from ddp_utils.config import CustomData, TrainConfig, as_plain_dict
-    from ddp_utils.train.resume import config_changes
 
     cfg = TrainConfig(data=CustomData(_target_="m.f", kwargs={"limit": 5}))
     stored = as_plain_dict(TrainConfig(data=CustomData(_target_="m.f", kwargs={"limit": 6})))
@@ -410,8 +410,9 @@ def test_a_custom_targets_arguments_belong_to_the_runs_identity():
 
 
 def test_a_checkpoint_from_before_tasks_resumes_as_classification():
+    from ddp_utils.checkpoint.resume import config_changes
+    from ddp_utils.checkpoint.state import resumed_best
     from ddp_utils.config import TrainConfig, as_plain_dict
-    from ddp_utils.train.resume import config_changes, resumed_best
 
     stored = as_plain_dict(TrainConfig())
     del stored["task"]  # the previous release's checkpoints have no task
@@ -468,8 +469,8 @@ def test_what_identifies_a_run_is_declared_by_its_options():
     from dataclasses import dataclass
     from typing import ClassVar
 
+    from ddp_utils.checkpoint.resume import config_changes, identity_keys
     from ddp_utils.config import PyStdlibData, SyntheticData, TrainConfig, as_plain_dict
-    from ddp_utils.train.resume import config_changes, identity_keys
 
     cfg = TrainConfig(data=PyStdlibData(tokenizer="bytes", batch_size=8))
     stored = as_plain_dict(TrainConfig(data=PyStdlibData(tokenizer="char", batch_size=4)))

@@ -6,14 +6,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from pathlib import Path
 from typing import Any
 
 import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from ddp_utils.checkpoint import SHARDED_DIR, read_sharded, save_training_checkpoint
 from ddp_utils.config import ConfigError, TrainerConfig
 from ddp_utils.dist import Runtime, broadcast_buffers
 from ddp_utils.models import memory_format_of
@@ -123,7 +121,7 @@ class Strategy:
     # forwards on every rank (ddp_utils.metrics.evaluate).
     lockstep_eval: bool = False
     # Whether parameters are DTensor shards: the optimizer is built for them and checkpoints
-    # are sharded folders (ddp_utils.checkpoint.save_sharded).
+    # are sharded folders (ddp_utils.checkpoint.format).
     shards_parameters: bool = False
 
     # Which of STRATEGY_KEYS this strategy reads (the others must keep their defaults).
@@ -205,8 +203,8 @@ class Strategy:
     def update_ema(self, ema: EMA, step: int, in_warmup: bool) -> None:
         ema.update(self.raw_model, step, in_warmup)
 
-    # What a checkpoint holds of the model and optimizer, and how it is written. Every rank
-    # calls each of these.
+    # What a checkpoint holds of the model and optimizer (ddp_utils.checkpoint reads and
+    # writes them; the format is its own). Every rank calls each of these.
 
     def state_dict(self) -> dict[str, Any]:
         """The strategy's own state a resume needs (a compression hook's), plain tensors;
@@ -215,26 +213,6 @@ class Strategy:
 
     def load_state_dict(self, state: dict[str, Any], world_size: int) -> None:
         """Restore what ``state_dict()`` returned, saved at ``world_size``."""
-
-    def read_states(
-        self, ckpt: dict[str, Any], optimizer: torch.optim.Optimizer, ema: EMA | None
-    ) -> dict[str, Any]:
-        """The checkpoint's ``model``, ``optimizer`` and ``model_ema`` states as this strategy
-        loads them: a whole file's as they are, a sharded folder's read into this run's own
-        state dicts (resharded to this world size)."""
-        if SHARDED_DIR not in ckpt:
-            return ckpt
-        if not self.shards_parameters:
-            raise ConfigError(
-                f"{ckpt[SHARDED_DIR]} is a sharded checkpoint: resume it with the strategy "
-                f"that wrote it (trainer.strategy={ckpt['config']['trainer']['strategy']})."
-            )
-        template = {"model": self.model_state_dict(),
-                    "optimizer": self.optimizer_state_dict(optimizer)}  # fmt: skip
-        if ema is not None and "model_ema" in ckpt["sharded"]:
-            template["model_ema"] = ema.state_dict()
-        read_sharded(ckpt, template)
-        return template
 
     def model_state_dict(self) -> dict[str, Any]:
         return self.raw_model.state_dict()
@@ -249,9 +227,3 @@ class Strategy:
         self, optimizer: torch.optim.Optimizer, state: dict[str, Any]
     ) -> None:
         optimizer.load_state_dict(state)
-
-    def save(
-        self, state: dict[str, Any], ckpt_dir: Path, also: tuple[str, ...], keep_last: int
-    ) -> Path:
-        """Write the checkpoint: whole state dicts, by the main rank (every rank waits)."""
-        return save_training_checkpoint(state, ckpt_dir, also, keep_last, self.rt)

@@ -6,7 +6,7 @@ again for its backward with ``trainer.fsdp.reshard_after_forward``), its gradien
 reduce-scattered after its backward.
 
 Checkpoints are torch.distributed.checkpoint folders: every rank writes its own shards and
-nobody gathers the model (``ddp_utils.checkpoint.save_sharded``); a resume at another world
+nobody gathers the model (``ddp_utils.checkpoint.format``); a resume at another world
 size reshards them. Every forward is a collective, so evaluation runs in lockstep: a rank
 whose shard ends early repeats its last batch, uncounted, until every rank is done
 (``lockstep_eval``). The EMA is a second sharded copy, updated shard by shard.
@@ -20,7 +20,6 @@ import itertools
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,7 +41,6 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-from ddp_utils.checkpoint import save_sharded
 from ddp_utils.config import ConfigError, TrainerConfig
 from ddp_utils.dist import Runtime, broadcast_buffers
 from ddp_utils.models import memory_format_of
@@ -283,10 +281,3 @@ class FSDP2Strategy(Strategy):
         self, optimizer: torch.optim.Optimizer, state: dict[str, Any]
     ) -> None:
         set_optimizer_state_dict(self.raw_model, optimizer, state)
-
-    def save(
-        self, state: dict[str, Any], ckpt_dir: Path, also: tuple[str, ...], keep_last: int
-    ) -> Path:
-        """Every rank writes its shards of the model, optimizer and EMA into one folder."""
-        return save_sharded(state, ckpt_dir, also, keep_last, self.rt,
-                            self.trainer.checkpoint.timeout_s)  # fmt: skip

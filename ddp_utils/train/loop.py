@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ddp_utils.checkpoint import diverged, resume, save
 from ddp_utils.config import TrainConfig, skips_bad_images
 from ddp_utils.data import resolve_data
 from ddp_utils.dist import (
@@ -45,9 +46,7 @@ from ddp_utils.run import (
 from ddp_utils.tasks import blank_batch, draw_predictions
 from ddp_utils.tracking import TrackedRun, environment_text, peak_memory_mb
 from ddp_utils.train.callbacks import Callback, build_callbacks
-from ddp_utils.train.finite import diverged
 from ddp_utils.train.profiler import Profiler, batches
-from ddp_utils.train.resume import resume, save
 from ddp_utils.train.state import (
     Training,
     build_training,

@@ -24,13 +24,13 @@ from ddp_utils.models.ema import EMA, ema_decay
 from ddp_utils.optim import build_optimizer, build_scheduler, warmup_steps
 from ddp_utils.preemption import StopRequest
 from ddp_utils.progress import Progress
+from ddp_utils.rng import seed_everything
 from ddp_utils.run import log
 from ddp_utils.strategy import Strategy, build_strategy, strategy_class
 from ddp_utils.tasks import Task, build_task, check_task
 from ddp_utils.tracking import Trackers, build_trackers, reset_peak_memory
 from ddp_utils.train.precision import amp_context, resolve_precision, set_numerics
 from ddp_utils.train.profiler import no_phase
-from ddp_utils.train.rng import seed_everything
 from ddp_utils.watchdog import StepWatchdog
 
 

@@ -1,4 +1,5 @@
-"""Stopping a diverged run: a non-finite loss or weight ends it, and is never checkpointed."""
+"""What is never written: a non-finite loss or weight ends the run (``NonFiniteError``, naming
+the last good checkpoint) instead of being saved."""
 
 from __future__ import annotations
 
@@ -7,11 +8,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ddp_utils.checkpoint import step_checkpoints
+from ddp_utils.checkpoint.storage import checkpoint_dir, step_checkpoints
 from ddp_utils.config import ConfigError
 
 if TYPE_CHECKING:
-    from ddp_utils.train.state import Training
+    from ddp_utils.checkpoint.state import TrainingState
 
 DIVERGED_EXIT = 3
 
@@ -37,9 +38,9 @@ def _tensors(items: Iterable[Any]) -> Iterator[torch.Tensor]:
             yield from _tensors(item.values())
 
 
-def diverged(tr: Training, what: str) -> NonFiniteError:
+def diverged(tr: TrainingState, what: str) -> NonFiniteError:
     """The one message of a diverged run: where, the last good checkpoint, and what to try."""
-    saved = step_checkpoints(tr.run_dir / "checkpoints")
+    saved = step_checkpoints(checkpoint_dir(tr.run_dir))
     last = f"{saved[-1]}" if saved else "none (the run has no checkpoint yet)"
     t = tr.cfg.trainer
     tries = [f"a lower optim.lr (now {tr.cfg.optim.lr:g})"]
@@ -55,7 +56,7 @@ def diverged(tr: Training, what: str) -> NonFiniteError:
     )
 
 
-def check_state(tr: Training, loss_sum: torch.Tensor) -> None:
+def check_state(tr: TrainingState, loss_sum: torch.Tensor) -> None:
     """Before a checkpoint (every rank: DDP's weights and the all-reduced loss are the same on
     all of them, so all raise together)."""
     if not all_finite([loss_sum]):

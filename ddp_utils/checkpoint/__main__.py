@@ -1,0 +1,3 @@
+from ddp_utils.checkpoint.export import main
+
+raise SystemExit(main())
