@@ -12,15 +12,15 @@ import hydra
 from omegaconf import DictConfig
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from ddp_utils.dist import process_group_left
 from ddp_utils.entry import (
     clean_exit,
     implied_options,
-    leave,
     register,
     user_errors,
     with_checkpoint_options,
 )
+from ddp_utils.lifecycle.exit import leave
+from ddp_utils.lifecycle.peers import process_group_left
 
 register()
 

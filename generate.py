@@ -12,7 +12,8 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from ddp_utils.config import GenerateConfig
-from ddp_utils.entry import clean_exit, leave, register, user_errors
+from ddp_utils.entry import clean_exit, register, user_errors
+from ddp_utils.lifecycle.exit import leave
 
 register()
 

@@ -21,8 +21,10 @@ from omegaconf import DictConfig
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from ddp_utils.config import to_schema
-from ddp_utils.dist import init_distributed, process_group_left
-from ddp_utils.entry import clean_exit, leave, register, user_errors
+from ddp_utils.dist import init_distributed
+from ddp_utils.entry import clean_exit, register, user_errors
+from ddp_utils.lifecycle.exit import leave
+from ddp_utils.lifecycle.peers import process_group_left
 from ddp_utils.sweep import in_sweep, sweep_job_dir
 
 register()

@@ -39,7 +39,7 @@ def worker(steps: int, repeats: int) -> None:
     from torch import nn
 
     from ddp_utils.config import TrainerConfig
-    from ddp_utils.preemption import StopRequest
+    from ddp_utils.lifecycle.preemption import StopRequest
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ddp_utils.config import ConfigError, TrainerConfig
+from ddp_utils.config import TrainerConfig, UserError
 from ddp_utils.dist import init_distributed, read_launch_env, shutdown
 from ddp_utils.hardware import INSTALL_DOC, choose_device, probe_cuda
 
@@ -77,7 +77,7 @@ def check_local(report: Report) -> None:
         device = choose_device(
             "auto", launch.local_rank, launch.local_world_size, launch.slurm_tasks, cuda
         )
-    except ConfigError as e:  # its message names the fix
+    except UserError as e:  # its message names the fix
         report.fail(str(e), f"see {INSTALL_DOC}")
         return
     report.ok(f"trainer.device=auto trains on {device}")
@@ -190,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
     if launch.launched:
         try:
             rt = init_distributed(TrainerConfig(device=args.device, timeout_s=args.timeout_s))
-        except ConfigError as e:
+        except UserError as e:
             report.fail(str(e), "see the message")
             return 1
         except Exception as e:  # a failed rendezvous: name it, with the usual causes

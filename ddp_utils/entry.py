@@ -1,21 +1,14 @@
-"""What the entry scripts share: Hydra registration, and exits that read as one message.
-
-Exit codes (docs/resume.md): 0 finished, 1 a crash (with its traceback), 2 a user's
-mistake, 3 a diverged run (non-finite loss or weights), 75 stopped on request (SIGTERM,
-SIGUSR1/2: relaunch to resume), 130 stopped by Ctrl-C (SIGINT; relaunch to resume).
-"""
+"""What the entry scripts share: Hydra registration, the job's errors as one message
+(``clean_exit``, ``user_errors``; the exits themselves are ddp_utils.lifecycle.exit's), and
+eval.py's composition with a checkpoint's own options."""
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import functools
-import logging
 import os
 import re
 import sys
-import threading
-import time
 import zipfile
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
@@ -23,23 +16,27 @@ from typing import Any, NoReturn
 from hydra.errors import HydraException, MissingConfigException
 from omegaconf.errors import OmegaConfBaseException
 
-from ddp_utils.config import ConfigError, register_configs
+from ddp_utils.config import UserError, register_configs
 from ddp_utils.config.options import GROUPS, not_a_key, options_of_schema
-from ddp_utils.dist import (
+from ddp_utils.dist import read_launch_env
+from ddp_utils.lifecycle.exit import (
+    USER_ERROR_EXIT,
+    exit_stuck,
+    report,
+    stop_for_lost_peer,
+)
+from ddp_utils.lifecycle.peers import (
     finish_together,
     lost_peer,
-    read_launch_env,
     stop_with_launcher,
-    write_error_file,
 )
-from ddp_utils.preemption import (
+from ddp_utils.lifecycle.preemption import (
     INTERRUPTED_EXIT,
     Preempted,
     StoppedEarly,
     pass_on,
     stop_signals_act_at_once,
 )
-from ddp_utils.run import log_to_files
 from ddp_utils.sweep import (
     in_sweep,
     jobs_run_here,
@@ -48,9 +45,6 @@ from ddp_utils.sweep import (
     running_sweep,
 )
 
-USER_ERROR_EXIT = 2
-PEER_LOST_EXIT = 1  # this rank stopped because another one failed
-NON_MAIN_EXIT_DELAY_S = 2.0
 # Flags that make Hydra print something and exit instead of running the job.
 PRINT_FLAGS = ("--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "-i")
 _job_started = False  # composition errors come before the job; any later one is the job's
@@ -61,23 +55,6 @@ def register() -> None:
     sweep resolvers."""
     register_configs()
     register_sweep_configs()
-
-
-def report(message: str, exit_code: int, rank_specific: bool = False) -> NoReturn:
-    """Print a user-facing error once (global rank 0, or every rank for a rank's own error)
-    and exit. Under torchrun it also becomes the error file that ``record`` would write, so
-    that torchrun's failure summary shows this line as the root cause, not a traceback."""
-    rank = read_launch_env().rank
-    if rank == 0 or rank_specific:
-        log_to_files(logging.ERROR, message)  # train.log keeps it with the run
-        line = f"[rank {rank}] error: {message}" if rank else f"error: {message}"
-        print(line, file=sys.stderr, flush=True)
-        write_error_file(line)
-    else:
-        # torchrun stops the whole group as soon as one worker exits: give rank 0 time to
-        # print the shared message (and be the first failure) first.
-        time.sleep(NON_MAIN_EXIT_DELAY_S)
-    sys.exit(exit_code)
 
 
 @contextlib.contextmanager
@@ -103,7 +80,7 @@ def clean_exit() -> Iterator[None]:
         if why is not None:
             stop_for_lost_peer(why, launcher_acted=True)
         report(str(stop), stop.exit_code)
-    except ConfigError as e:
+    except UserError as e:
         if in_sweep():
             raise  # Hydra records this job as failed and the sweep goes on to the next one
         report(str(e), getattr(e, "exit_code", USER_ERROR_EXIT), e.rank_specific)
@@ -115,62 +92,6 @@ def clean_exit() -> Iterator[None]:
         if why is None or in_sweep():
             raise
         stop_for_lost_peer(why)
-
-
-def exit_stuck(stop: StoppedEarly) -> NoReturn:
-    """A stop signal the main thread could not take (it waits in C++ on a peer that already
-    left on the same signal): the job's one line from global rank 0, then this process ends at
-    once, with the stop's exit code. Nothing was training, so nothing is lost."""
-    rank = read_launch_env().rank
-    if rank == 0:
-        line = f"error: {stop}"
-        print(line, file=sys.stderr, flush=True)
-        with contextlib.suppress(Exception):
-            log_to_files(logging.ERROR, str(stop))
-            write_error_file(line)
-    sys.stdout.flush()
-    exit_now(stop.exit_code)
-
-
-def stop_for_lost_peer(why: str, launcher_acted: bool = False) -> NoReturn:
-    """The failing rank printed its own message (and is torchrun's root cause): this rank
-    adds one line, not the collective's traceback, and exits after it.
-
-    ``launcher_acted``: torchrun's stop signal already came, so it has its first failure and
-    waits only for this rank, which then skips the interpreter's teardown: with a peer gone,
-    the process group's and the loader workers' destructors wait on what can no longer finish
-    (measured: 2 s of the job's end); the logs are flushed first, and nothing of the run is
-    written at exit (checkpoints are whole files, renamed into place). Before that signal,
-    the failing rank may still be on its way out (its own teardown): this one waits, and
-    leaves the usual way, so that the failing rank stays torchrun's first failure."""
-    print(f"[rank {read_launch_env().rank}] stopping: {why} (its message says why)",
-          file=sys.stderr, flush=True)  # fmt: skip
-    if launcher_acted:
-        exit_now(PEER_LOST_EXIT)
-    time.sleep(NON_MAIN_EXIT_DELAY_S)
-    sys.exit(PEER_LOST_EXIT)
-
-
-def exit_now(code: int) -> NoReturn:
-    """Leave without the interpreter's teardown, the logs and output flushed first."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def leave() -> NoReturn:
-    """A script's end after it finished: what the interpreter's exit does that matters
-    (threading's exit hooks, non-daemon threads joined, the atexit handlers: logging,
-    multiprocessing's children, the trackers' clients), then exit 0 without tearing down every
-    module, which took 1.5 s of every launch with torch, torchvision and torchmetrics loaded
-    (docs/measurements.md)."""
-    # CPython's own exit, in its order: threading's exit hooks first (they tell the workers of
-    # a ThreadPoolExecutor, such as torch.compile's, to finish: joined before them, a run that
-    # compiled never exited), the non-daemon threads joined, then the atexit handlers.
-    threading._shutdown()
-    atexit._run_exitfuncs()
-    exit_now(0)
 
 
 def user_errors(main: Callable[[], Any]) -> Callable[[], Any]:
@@ -210,7 +131,7 @@ def with_checkpoint_options(main: Callable[[], Any]) -> Callable[[], Any]:
     def wrapper() -> Any:
         try:
             _implied[:] = checkpoint_options(sys.argv[1:])
-        except ConfigError as e:
+        except UserError as e:
             report(str(e), USER_ERROR_EXIT)
         sys.argv += _implied
         return main()
@@ -271,8 +192,8 @@ def report_failed_sweep(error: Exception) -> NoReturn:
     with contextlib.suppress(KeyError, OSError):  # `record` wrote the first failure's there
         os.remove(os.environ["TORCHELASTIC_ERROR_FILE"])
     failed, total = print_summary(sweep_dir)
-    code = getattr(error, "exit_code", USER_ERROR_EXIT) if isinstance(error, ConfigError) else 1
-    if isinstance(error, ConfigError) and not failed:  # the sweep's own: before or after jobs
+    code = getattr(error, "exit_code", USER_ERROR_EXIT) if isinstance(error, UserError) else 1
+    if isinstance(error, UserError) and not failed:  # the sweep's own: before or after jobs
         report(str(error), code)
     if not total:  # Hydra's own, before any job (a group override it cannot sweep, ...)
         report(f"the sweep stopped before its first job: {hydra_error_paragraph(error)}",

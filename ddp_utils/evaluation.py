@@ -25,13 +25,14 @@ from ddp_utils.config import (
 from ddp_utils.data import build_eval_data, close_loader, resolve_data
 from ddp_utils.data.classes import class_difference
 from ddp_utils.dist import Runtime, init_distributed
-from ddp_utils.files import atomic_write_text, writing_into
+from ddp_utils.files import atomic_write_text
+from ddp_utils.lifecycle.disk import writing_into
+from ddp_utils.lifecycle.watchdog import StepWatchdog
+from ddp_utils.logs import log, setup_logging
 from ddp_utils.metrics import build_metrics, evaluate, scalars
 from ddp_utils.models import memory_format_of
-from ddp_utils.run import log, setup_logging
 from ddp_utils.tasks import build_task, check_task, draw_predictions
 from ddp_utils.train.precision import amp_context, resolve_precision, set_numerics
-from ddp_utils.watchdog import StepWatchdog
 
 EVAL_ONLY_KEYS = ("checkpoint", "output", "ema")
 REPORT_COUNTS = ("num_samples", "skipped_images", "world_size")  # said in the first line

@@ -33,9 +33,9 @@ from torchmetrics.utilities.data import dim_zero_max, dim_zero_min, dim_zero_sum
 from ddp_utils.config import ConfigError, TaskConfig
 from ddp_utils.data.samplers import EvalShardSampler
 from ddp_utils.dist import Runtime, all_reduce_max
+from ddp_utils.lifecycle.watchdog import StepWatchdog
 from ddp_utils.targets import why
 from ddp_utils.tasks.base import Batch, Task
-from ddp_utils.watchdog import StepWatchdog
 
 
 def build_metric(name: str, spec: Any) -> Metric:

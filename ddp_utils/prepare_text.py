@@ -18,7 +18,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ddp_utils.config import ConfigError
+from ddp_utils.config import UserError
 from ddp_utils.data.text import prepare, text_files
 from ddp_utils.data.tokenizer import TOKENIZER_KINDS
 
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
             progress=sys.stderr.isatty(),
             overwrite=args.overwrite,
         )
-    except ConfigError as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from tqdm import tqdm
 
-from ddp_utils.run import log
+from ddp_utils.logs import log
 
 
 class Progress:

@@ -31,7 +31,7 @@ import fsspec
 import numpy as np
 import torch
 
-from ddp_utils.config import ConfigError, DataConfig
+from ddp_utils.config import ConfigError, DataConfig, UserError
 from ddp_utils.data import resolve_data
 from ddp_utils.data.registry import family_of
 from ddp_utils.data.shards import CLASSES_FILE, INDEX_FILE, fingerprint
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         for split in SPLITS:
             n = write_split(cfg, split, args.out, args)
             print(f"{split}: {n} samples in {args.out.rstrip('/')}/{SPLITS[split]}/")
-    except ConfigError as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"train with: {training_command(cfg, args.out, args.resize)}")

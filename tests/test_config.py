@@ -133,7 +133,7 @@ def test_plus_keys_are_the_arguments_of_a_custom_target():
 
 
 def test_job_identity_is_what_survives_restarts_and_requeues():
-    from ddp_utils.lock import job_identity
+    from ddp_utils.lifecycle.lock import job_identity
 
     assert job_identity({"SLURM_JOB_ID": "42", "TORCHELASTIC_RUN_ID": "x"}) == "slurm:42"
     torchrun = {"RANK": "0", "WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "abc"}

@@ -20,7 +20,7 @@ from conftest import compose_config, free_port
 from ddp_utils.config import TrainConfig, TrainerConfig
 from ddp_utils.data import resolve_data
 from ddp_utils.dist import init_distributed, shutdown
-from ddp_utils.preemption import StopRequest
+from ddp_utils.lifecycle.preemption import StopRequest
 from ddp_utils.strategy import build_strategy
 from ddp_utils.tasks import build_task
 from ddp_utils.train.state import check_runtime, prepare_device, resolve_auto

@@ -174,7 +174,7 @@ def test_the_multi_run_plot_writes_where_out_says(tmp_path):
 
 @pytest.mark.parametrize("value, expected", [(math.nan, None), (math.inf, None), (1.5, 1.5)])
 def test_metrics_lines_are_strict_json(value, expected):
-    from ddp_utils.run import strict_json
+    from ddp_utils.run.records import strict_json
 
     assert json.loads(strict_json({"train/loss": value, "epoch": 0})) == {
         "train/loss": expected, "epoch": 0,

@@ -46,8 +46,8 @@ from conftest import (
 )
 from lm_data import write_token_folder
 
-from ddp_utils.files import WRITE_FAILED_EXIT
-from ddp_utils.preemption import PREEMPTED_EXIT
+from ddp_utils.lifecycle.disk import WRITE_FAILED_EXIT
+from ddp_utils.lifecycle.preemption import PREEMPTED_EXIT
 
 VAL_WINDOWS = 121  # a prime number of windows a rank cannot divide: uneven shards
 # 20,000 training tokens: 1,250 windows of 16, 104 steps an epoch of 12 windows (6 a process

@@ -11,7 +11,7 @@ from callbacks import fill_disk
 from conftest import our_error_lines, run_script, tmpfs
 from lm_data import write_token_folder
 
-from ddp_utils.files import WRITE_FAILED_EXIT
+from ddp_utils.lifecycle.disk import WRITE_FAILED_EXIT
 
 CLASSIFICATION = ("data.batch_size=10", "trainer.epochs=1", "trainer.ckpt_every_steps=10",
                   "trainer.precision=32", "logger=none")  # fmt: skip
@@ -87,9 +87,10 @@ def test_language_model_checkpoint_on_a_full_disk(disk, tmp_path):
 
 def test_a_picture_on_a_full_disk_is_the_same_paragraph(disk):
     from ddp_utils.dist import Runtime
-    from ddp_utils.files import UnwritableError
+    from ddp_utils.lifecycle.disk import UnwritableError
     from ddp_utils.plot import plot_runs
-    from ddp_utils.run import append_metrics, write_on_main
+    from ddp_utils.run.folder import write_on_main
+    from ddp_utils.run.records import append_metrics
 
     run = disk / "run"
     run.mkdir()

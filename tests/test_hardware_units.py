@@ -16,7 +16,6 @@ from ddp_utils.config import ConfigError, TrainerConfig
 from ddp_utils.data.loaders import default_num_workers
 from ddp_utils.dist import (
     group_timeout,
-    lost_peer,
     pick_backend,
     pick_device,
     read_launch_env,
@@ -32,6 +31,7 @@ from ddp_utils.hardware import (
     host_nvidia_devices,
     probe_cuda,
 )
+from ddp_utils.lifecycle.peers import lost_peer
 from ddp_utils.strategy.fsdp2 import buffers_to
 
 V100 = Cuda(usable=True, device_count=8, nvidia_devices=8, driver_cuda="12.2",
@@ -298,7 +298,7 @@ def test_each_sweep_job_reports_its_own_peak_memory():
 
 WATCHED = """
 import sys, time
-from ddp_utils import watchdog
+from ddp_utils.lifecycle import watchdog
 watchdog.OTHERS_PAUSE_S = 1.0
 dog = watchdog.StepWatchdog(0.5, rank=int(sys.argv[1]), poll_s=0.05)
 dog.beat()

@@ -17,7 +17,7 @@ def _stop_step(
 ) -> dict:
     import torch.distributed as dist
 
-    from ddp_utils.preemption import StopRequest
+    from ddp_utils.lifecycle.preemption import StopRequest
 
     stop = StopRequest(timedelta(seconds=30), every_s)
     stop.begin()
@@ -69,7 +69,7 @@ STUCK = """
 import os, signal, sys, threading, time
 from datetime import timedelta
 import torch.distributed as dist
-from ddp_utils import preemption
+from ddp_utils.lifecycle import preemption
 preemption.STUCK_GRACE_S = 0.5
 def on_stuck(stop):
     print("stuck:", stop, flush=True)

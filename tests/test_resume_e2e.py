@@ -29,7 +29,7 @@ from conftest import (
     write_malicious_checkpoint,
 )
 
-from ddp_utils.preemption import PREEMPTED_EXIT
+from ddp_utils.lifecycle.preemption import PREEMPTED_EXIT
 
 DDP_RUN = [sys.executable, "-m", "ddp_utils.launch"]
 

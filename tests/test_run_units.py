@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from ddp_utils.run import Identity, _default_run_dir, run_identity
+from ddp_utils.run.folder import Identity, _default_run_dir, run_identity
 
 
 def test_a_new_run_beside_an_unfinished_one_of_nearly_the_same_config_names_it(tmp_path):

@@ -11,7 +11,7 @@ from PIL import Image
 from segfolders import VAL_SIZES, write_seg_folder, write_voc
 from torch.utils.data import DataLoader
 
-from ddp_utils.config import ConfigError, SegFolderData, to_schema
+from ddp_utils.config import ConfigError, SegFolderData, UserError, to_schema
 from ddp_utils.data import IGNORE_LABEL, build_data
 from ddp_utils.data.samplers import EpochTagged, ResumableDistributedSampler
 from ddp_utils.data.segmentation import seg_dataset, seg_source
@@ -105,7 +105,7 @@ def test_a_mask_value_that_is_no_class_is_named_when_read(folder, tmp_path):
     (root / "classes.txt").unlink()
     cfg = folder_cfg(root, num_classes=2)  # the masks hold classes 0..3
     source = seg_source(cfg, "train", RT)
-    with pytest.raises(ConfigError, match=r"the mask .*000.png holds the values \[[23]"):
+    with pytest.raises(UserError, match=r"the mask .*000.png holds the values \[[23]"):
         source[0]
 
 

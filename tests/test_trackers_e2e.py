@@ -13,7 +13,7 @@ import pytest
 from callbacks import fault
 from conftest import our_error_lines, read_metrics, run_ranks, run_script, start_script
 
-from ddp_utils.preemption import PREEMPTED_EXIT
+from ddp_utils.lifecycle.preemption import PREEMPTED_EXIT
 
 mlflow = pytest.importorskip("mlflow")
 pytest.importorskip("wandb")

@@ -76,9 +76,9 @@ def test_plain_python_joins_a_group_of_one():
 def test_survivors_of_a_lost_peer_leave_the_group_without_waiting_for_it(monkeypatch):
     """After a collective lost its peer, the others are not waited for at the end (it never
     comes: tests/test_elastic_e2e.py); any other ending waits for every rank."""
-    import ddp_utils.dist as dist_module
-    from ddp_utils.dist import process_group_left
-    from ddp_utils.preemption import StoppedEarly
+    import ddp_utils.lifecycle.peers as dist_module
+    from ddp_utils.lifecycle.peers import process_group_left
+    from ddp_utils.lifecycle.preemption import StoppedEarly
 
     calls = []
     monkeypatch.setattr(dist_module, "shutdown",
@@ -264,14 +264,14 @@ def test_first_host_of_a_slurm_node_list(nodelist, first):
 
 
 def test_a_rank_that_cannot_see_run_dir_says_so(tmp_path):
-    from ddp_utils.run import resolve_run_dir
+    from ddp_utils.run.folder import resolve_run_dir
 
     rt = Runtime(rank=3, local_rank=1, world_size=4, local_world_size=2,
                  device=torch.device("cpu"), backend="gloo")  # fmt: skip
     missing = tmp_path / "on_another_node"
     with (
-        mock.patch("ddp_utils.run.broadcast_object", return_value=(str(missing), False, None, "")),
-        mock.patch("ddp_utils.run.barrier"),
+        mock.patch("ddp_utils.run.folder.broadcast_object", return_value=(str(missing), False, None, "")),
+        mock.patch("ddp_utils.run.folder.barrier"),
         pytest.raises(ConfigError, match="shared") as e,
     ):
         resolve_run_dir(None, rt)
@@ -349,8 +349,8 @@ def test_an_unwritable_run_dir_is_one_paragraph_and_leaves_no_torn_line(tmp_path
     import errno
     import os
 
-    from ddp_utils.files import WRITE_FAILED_EXIT, UnwritableError
-    from ddp_utils.run import append_metrics
+    from ddp_utils.lifecycle.disk import WRITE_FAILED_EXIT, UnwritableError
+    from ddp_utils.run.records import append_metrics
 
     rt = Runtime(0, 0, 1, 1, torch.device("cpu"), "gloo")
     append_metrics(tmp_path, {"epoch": 0, "step": 1}, rt)
@@ -497,7 +497,7 @@ def _signal_inside(steps: list[str]) -> None:
     from datetime import timedelta
 
     from ddp_utils.entry import clean_exit
-    from ddp_utils.preemption import StopRequest
+    from ddp_utils.lifecycle.preemption import StopRequest
 
     with clean_exit():
         stop = StopRequest(timedelta(seconds=5))
@@ -522,13 +522,13 @@ def _signal_inside(steps: list[str]) -> None:
 def test_a_stop_signal_outside_the_loop_names_what_happened(steps, code, says, capsys):
     with (
         mock.patch.dict("os.environ", {"RANK": "0"}),
-        mock.patch("ddp_utils.entry.NON_MAIN_EXIT_DELAY_S", 0),
-        mock.patch("ddp_utils.entry.write_error_file"),
-        mock.patch("ddp_utils.entry.exit_now", sys.exit),  # not os._exit: this is pytest
+        mock.patch("ddp_utils.lifecycle.exit.NON_MAIN_EXIT_DELAY_S", 0),
+        mock.patch("ddp_utils.lifecycle.exit.write_error_file"),
+        mock.patch("ddp_utils.lifecycle.exit.exit_now", sys.exit),  # not os._exit: this is pytest
         # clean_exit marks the job started: a fork of this process (run_forked) must not
         # inherit that, nor the training flag.
         mock.patch("ddp_utils.entry._job_started", False),
-        mock.patch("ddp_utils.preemption._trained", False),
+        mock.patch("ddp_utils.lifecycle.preemption._trained", False),
         pytest.raises(SystemExit) as exit_,
     ):
         _signal_inside(list(steps))
@@ -544,7 +544,7 @@ def test_leave_joins_threads_runs_atexit_handlers_and_exits_0(tmp_path):
     script = f"""
 import atexit, logging, pathlib, sys, threading, time
 sys.path.insert(0, {str(ROOT)!r})
-from ddp_utils.entry import leave
+from ddp_utils.lifecycle.exit import leave
 out = pathlib.Path({str(tmp_path)!r})
 logging.basicConfig(filename=out / "log.txt", level=logging.INFO)
 threading.Thread(target=lambda: (time.sleep(0.5), (out / "thread").write_text("done"))).start()
@@ -627,7 +627,7 @@ def test_a_finished_script_exits_with_a_thread_pool_alive_and_runs_atexit(tmp_pa
     marker = tmp_path / "atexit"
     code = f"""
 import atexit, concurrent.futures, pathlib
-from ddp_utils.entry import leave
+from ddp_utils.lifecycle.exit import leave
 pool = concurrent.futures.ThreadPoolExecutor(2)
 pool.submit(sum, [1, 2]).result()
 atexit.register(pathlib.Path({str(marker)!r}).write_text, "ran")
@@ -643,7 +643,8 @@ def test_profiler_ranks_outside_the_world_are_named_and_profile_nothing(tmp_path
     from types import SimpleNamespace
 
     from ddp_utils.config.schema import ProfilerOptions
-    from ddp_utils.train.profiler import Profiler, no_phase
+    from ddp_utils.train.profiler import Profiler
+    from ddp_utils.train.state import no_phase
 
     rt = SimpleNamespace(rank=0, world_size=2, is_main=True, device=torch.device("cpu"))
     tr = SimpleNamespace(rt=rt, run_dir=tmp_path, phase=no_phase)

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from ddp_utils.checkpoint.format import SHARDED_DIR, load_sharded_meta
-from ddp_utils.config import ConfigError
+from ddp_utils.config import UserError
 from ddp_utils.files import atomic_save
 
 
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         to_single_file(args.src, args.dst)
-    except ConfigError as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {args.dst}")

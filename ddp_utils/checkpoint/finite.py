@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ddp_utils.checkpoint.storage import checkpoint_dir, step_checkpoints
-from ddp_utils.config import ConfigError
+from ddp_utils.config import UserError
 
 if TYPE_CHECKING:
     from ddp_utils.checkpoint.state import TrainingState
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 DIVERGED_EXIT = 3
 
 
-class NonFiniteError(ConfigError):
+class NonFiniteError(UserError):
     """The loss or the weights became NaN or infinite: the hyper-parameters need a change."""
 
     exit_code = DIVERGED_EXIT

@@ -35,10 +35,11 @@ from ddp_utils.checkpoint.storage import (
     step_checkpoints,
     step_path,
 )
-from ddp_utils.config import ConfigError, whole_sentences
+from ddp_utils.config import ConfigError, UserError, whole_sentences
 from ddp_utils.dist import Runtime, checkpoint_group
-from ddp_utils.files import atomic_save, writing_into
-from ddp_utils.run import write_on_main
+from ddp_utils.files import atomic_save
+from ddp_utils.lifecycle.disk import writing_into
+from ddp_utils.run.folder import write_on_main
 
 SHARDED_KEYS = ("model", "optimizer", "model_ema")  # the states a sharded checkpoint shards
 META = "meta.pt"  # a sharded checkpoint's plain part
@@ -189,7 +190,7 @@ def load_sharded_meta(path: Path) -> dict[str, Any]:
     return load_checkpoint(path / META) | {SHARDED_DIR: str(path)}
 
 
-class CorruptCheckpointError(ConfigError):
+class CorruptCheckpointError(UserError):
     """A checkpoint that is torn or unreadable (as opposed to unsafe or missing)."""
 
     def __init__(self, message: str, reason: str) -> None:

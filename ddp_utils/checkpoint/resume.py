@@ -4,18 +4,17 @@ model, data set or seed) is refused with the keys that differ."""
 
 from __future__ import annotations
 
-import json
-import time
 from pathlib import Path
 from typing import Any
 
 from ddp_utils.checkpoint.format import load_checkpoint, newest_loadable
 from ddp_utils.checkpoint.state import TrainingState, restore
 from ddp_utils.checkpoint.storage import checkpoint_dir, step_checkpoints
-from ddp_utils.config import ConfigError, TrainConfig, as_plain_dict, option_defaults
+from ddp_utils.config import ConfigError, TrainConfig, UserError, as_plain_dict, option_defaults
 from ddp_utils.data.classes import class_difference
-from ddp_utils.dist import Runtime, broadcast_object
-from ddp_utils.run import log
+from ddp_utils.dist import broadcast_object
+from ddp_utils.logs import log
+from ddp_utils.run.records import set_aside_metrics, trim_metrics
 
 
 def identity_keys(cfg: TrainConfig) -> tuple[str, ...]:
@@ -98,7 +97,7 @@ def resume(tr: TrainingState) -> None:
     if tr.rt.is_main:
         try:
             picked = pick_checkpoint(tr.cfg.resume, tr.run_dir)
-        except ConfigError as e:
+        except UserError as e:
             error = str(e)
     path, error = broadcast_object((picked[0] if picked else None, error))
     if error:
@@ -133,23 +132,3 @@ def resume(tr: TrainingState) -> None:
         "resumed from %s: epoch %d, step %d, %d samples into the epoch (saved at world size %d)",
         path, tr.epoch, tr.step, tr.sample_offset, ckpt["world_size"],
     )  # fmt: skip
-
-
-def set_aside_metrics(path: Path, rt: Runtime) -> None:
-    """A fresh start in a run_dir that holds records but no checkpoint (killed before its
-    first one, or its checkpoints deleted): keep the old records under another name, so the
-    new run never logs an epoch a second time in metrics.jsonl."""
-    if rt.is_main and path.exists() and path.stat().st_size > 0:
-        old = path.with_name(f"metrics.{time.strftime('%Y%m%d-%H%M%S')}.jsonl.old")
-        path.rename(old)
-        log.warning("no checkpoint to continue: the earlier metrics.jsonl is now %s", old.name)
-
-
-def trim_metrics(path: Path, step: int, rt: Runtime) -> None:
-    """Drop records logged after the checkpoint, which the resumed run will log again."""
-    if not rt.is_main or not path.exists():
-        return
-    lines = path.read_text().splitlines()
-    kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
-    if len(kept) != len(lines):
-        path.write_text("".join(line + "\n" for line in kept))

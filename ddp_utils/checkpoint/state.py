@@ -13,9 +13,9 @@ import torch.distributed as dist
 from ddp_utils.checkpoint.format import read_states
 from ddp_utils.config import ConfigError, TrainConfig
 from ddp_utils.dist import Runtime, all_reduce_sum
+from ddp_utils.logs import log
 from ddp_utils.optim import build_scheduler
 from ddp_utils.rng import capture_rng, restore_rng, seed_everything
-from ddp_utils.run import log
 
 SCHEDULE_LENGTH_KEYS = ("total_steps", "_schedule_phases")  # OneCycleLR's
 

@@ -2,7 +2,7 @@
 
 ``schema`` holds the whole run's (TrainConfig, EvalConfig) and its validation; ``data``,
 ``model`` and ``task`` each hold their group's base schema and one per option; ``options``
-maps an option to its schema; ``errors`` holds ConfigError.
+maps an option to its schema; ``errors`` holds UserError and ConfigError.
 """
 
 from ddp_utils.config.data import (
@@ -33,7 +33,7 @@ from ddp_utils.config.data import (
     VOCDetData,
     skips_bad_images,
 )
-from ddp_utils.config.errors import ConfigError, whole_sentences
+from ddp_utils.config.errors import ConfigError, UserError, whole_sentences
 from ddp_utils.config.model import (
     ConvNetModel,
     CustomModel,
@@ -103,5 +103,5 @@ __all__ = [
     "collect_target_kwargs",
     "from_record",
     "option_defaults", "option_schema", "options_help", "own_keys", "register_configs",
-    "skips_bad_images", "to_schema", "unknown_keys", "validate", "whole_sentences",
+    "skips_bad_images", "to_schema", "unknown_keys", "UserError", "validate", "whole_sentences",
 ]  # fmt: skip

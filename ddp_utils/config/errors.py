@@ -1,10 +1,13 @@
-"""The user's-mistake error, and the range checks every schema's ``check`` uses."""
+"""The errors that are the user's to fix, and the range checks every schema's ``check`` uses."""
 
 from __future__ import annotations
 
 
-class ConfigError(ValueError):
-    """A user's mistake in the configuration, on the command line or in an input file.
+class UserError(ValueError):
+    """Something the user can fix, told in one paragraph with the fix, without a traceback: a
+    diverged loss, a corrupt checkpoint, an unwritable folder, a bad image, or (``ConfigError``)
+    a mistake in the configuration. An ``exit_code`` attribute chooses the script's exit code
+    (2 when absent).
 
     ``rank_specific`` marks an error that only some ranks see, so each of them reports it.
     """
@@ -12,6 +15,10 @@ class ConfigError(ValueError):
     def __init__(self, message: str, *, rank_specific: bool = False) -> None:
         super().__init__(message)
         self.rank_specific = rank_specific
+
+
+class ConfigError(UserError):
+    """A user's mistake in the configuration, on the command line or in an input file."""
 
 
 def whole_sentences(text: str, limit: int = 240) -> str:

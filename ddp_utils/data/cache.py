@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ddp_utils.config import ConfigError
+from ddp_utils.config import ConfigError, UserError
 from ddp_utils.dist import Runtime, any_rank, broadcast_object, main_rank_runs
 from ddp_utils.files import atomic_save
 
@@ -62,7 +62,7 @@ def shared_cache(
         try:
             path, key, build = locate()
             return cached(path, key, build)[0], (str(path), key), None
-        except ConfigError as e:
+        except UserError as e:
             return None, None, str(e)
 
     # No collective waits on the build: it may take longer than trainer.timeout_s.

@@ -20,7 +20,7 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from torch.utils.data import Dataset
 
-from ddp_utils.config import ConfigError, DataConfig
+from ddp_utils.config import ConfigError, DataConfig, UserError
 from ddp_utils.data.imagefolder import BadImages, match_channels, pil_to_uint8, to_uint8
 
 
@@ -75,6 +75,6 @@ class CustomSource(Dataset):
         target = target if isinstance(target, Mapping) else int(target)
         try:
             return to_uint8_image(image, self.channels, f"{self.where}, item {i}"), target
-        except ConfigError as e:
+        except UserError as e:
             stop = f"{e}. Fix the item, or set data.skip_bad_images=true to skip such items."
             return self.bad.handle(i, stop, f"skipping {e}")

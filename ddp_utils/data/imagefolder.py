@@ -26,19 +26,19 @@ from torch.utils.data import Dataset
 from torchvision.io import ImageReadMode, decode_image, read_file
 from torchvision.transforms.v2 import functional as TF
 
-from ddp_utils.config import ConfigError, DataConfig, skips_bad_images, whole_sentences
+from ddp_utils.config import ConfigError, DataConfig, UserError, skips_bad_images, whole_sentences
 from ddp_utils.data.cache import cache_path, shared_cache
 from ddp_utils.data.classes import class_difference
 from ddp_utils.data.samplers import BAD_LABEL
 from ddp_utils.dist import Runtime
-from ddp_utils.run import log
+from ddp_utils.logs import log
 
 EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")  # matched without regard to case
 TORCHVISION_DECODES = (".jpg", ".jpeg", ".png", ".webp")  # others are decoded by PIL
 INDEX_VERSION = 2  # 2: links followed once
 
 
-class BadImageError(ConfigError):
+class BadImageError(UserError):
     """An image file that cannot be read or decoded; only the rank that read it sees it."""
 
     def __init__(self, message: str) -> None:

@@ -21,7 +21,7 @@ from ddp_utils.config import ConfigError, PyStdlibData
 from ddp_utils.data.tokens import build, build_eval, offered
 from ddp_utils.data.tokens import resolve as resolve_tokens
 from ddp_utils.dist import Runtime, local_main_first
-from ddp_utils.run import log
+from ddp_utils.logs import log
 
 __all__ = ["build", "build_eval", "offered", "prepare_pystdlib", "resolve"]
 

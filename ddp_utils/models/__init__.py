@@ -18,8 +18,15 @@ from hydra.utils import instantiate
 from torch import nn
 
 from ddp_utils import targets
-from ddp_utils.config import ConfigError, DataConfig, ModelConfig, channels_last_on, own_keys
-from ddp_utils.run import log
+from ddp_utils.config import (
+    ConfigError,
+    DataConfig,
+    ModelConfig,
+    UserError,
+    channels_last_on,
+    own_keys,
+)
+from ddp_utils.logs import log
 from ddp_utils.targets import why
 
 
@@ -42,7 +49,7 @@ def build_model(cfg: ModelConfig, data: DataConfig, num_outputs: int | None = No
     try:
         model = instantiate({"_target_": cfg._target_, "_convert_": "all", **args})
     except InstantiationException as e:
-        if isinstance(e.__cause__, ConfigError):
+        if isinstance(e.__cause__, UserError):
             raise e.__cause__ from None
         raise ConfigError(
             f"model._target_={cfg._target_} rejected its arguments {sorted(args)} ({why(e)}). "

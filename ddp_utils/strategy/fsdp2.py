@@ -41,10 +41,10 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-from ddp_utils.config import ConfigError, TrainerConfig
+from ddp_utils.config import ConfigError, TrainerConfig, UserError
 from ddp_utils.dist import Runtime, broadcast_buffers
+from ddp_utils.logs import log
 from ddp_utils.models import memory_format_of
-from ddp_utils.run import log
 from ddp_utils.strategy.base import Strategy, model_units
 
 
@@ -166,7 +166,7 @@ class FSDP2Strategy(Strategy):
         try:
             with torch.device("meta"):
                 return make()
-        except ConfigError:  # the user's mistake, raised as on the main rank
+        except UserError:  # the user's mistake, raised as on the main rank
             raise
         except Exception as e:  # noqa: BLE001 - any failure of a model's own code on meta
             log.warning("the model could not be built on the meta device (%s): built whole "

@@ -16,9 +16,10 @@ from typing import Any
 from hydra.core.utils import JobReturn, JobStatus
 from omegaconf import DictConfig, OmegaConf
 
-from ddp_utils.config import ConfigError
-from ddp_utils.dist import broadcast_object, init_distributed, lost_peer, read_launch_env
-from ddp_utils.run import log
+from ddp_utils.config import ConfigError, UserError
+from ddp_utils.dist import broadcast_object, init_distributed, read_launch_env
+from ddp_utils.lifecycle.peers import lost_peer
+from ddp_utils.logs import log
 from ddp_utils.sweep.pruning import TRIAL_ENV, trial_identity
 from ddp_utils.sweep.summary import add_to_job, write_summary
 
@@ -27,7 +28,7 @@ Launch = Callable[[list[list[str]], int], list[JobReturn]]
 Order = tuple[int, list[list[str]]]  # the first trial's number, each trial's overrides
 
 
-class SweepFailed(ConfigError):
+class SweepFailed(UserError):
     """No trial of the study finished: the sweep exits non-zero (1), after its table."""
 
     exit_code = 1
@@ -55,7 +56,7 @@ def agree(make: Callable[[], Any], rank: int, shared: bool, share: bool = True) 
     if rank == 0:
         try:
             result = make()
-        except ConfigError as e:
+        except UserError as e:
             error = e
     if shared:
         message, sent = broadcast_object((
@@ -150,7 +151,7 @@ class SearchRun:
 def is_mistake(error: Any) -> bool:
     """A configuration mistake (exit code 2) stops the search; a trial of its own failing
     (a diverged run, exit code 3; a crash) is one FAIL, and the search goes on."""
-    return isinstance(error, ConfigError) and getattr(error, "exit_code", 2) == 2
+    return isinstance(error, UserError) and getattr(error, "exit_code", 2) == 2
 
 
 def job_dir(ret: JobReturn, sweep_dir: Path, number: int) -> Path:

@@ -17,7 +17,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from ddp_utils.dist import broadcast_object
-from ddp_utils.run import log
+from ddp_utils.logs import log
 from ddp_utils.train.callbacks import Callback
 
 if TYPE_CHECKING:

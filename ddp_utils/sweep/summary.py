@@ -32,9 +32,10 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from ddp_utils.config import ConfigError
+from ddp_utils.config import UserError
 from ddp_utils.dist import read_launch_env
-from ddp_utils.run import read_metrics, run_tag
+from ddp_utils.run.folder import run_tag
+from ddp_utils.run.records import read_metrics
 
 log = logging.getLogger(__name__)
 # A job's final numbers in the summary: these, then every val/ scalar its task logged.
@@ -184,7 +185,7 @@ class SweepSummary(Callback):
         write_summary(Path(config.hydra.sweep.dir))
         if failed:
             error = job_return._return_value
-            if isinstance(error, ConfigError):
+            if isinstance(error, UserError):
                 log.error("sweep job #%d failed: %s", job["job"], error)
             else:  # a crash: its traceback, once, since the sweep goes on
                 trace = "".join(traceback.format_exception(error)).rstrip()

@@ -20,13 +20,13 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from torch import nn
 
-from ddp_utils.config import ConfigError, TrainConfig, own_keys
+from ddp_utils.config import ConfigError, TrainConfig, UserError, own_keys
 from ddp_utils.data import offered_by_data
 from ddp_utils.dist import Runtime
 from ddp_utils.flops import counting
+from ddp_utils.logs import log
 from ddp_utils.models import memory_format_of
 from ddp_utils.models.probe import PROBE_BATCH, check_logits, eval_mode, size_error
-from ddp_utils.run import log
 from ddp_utils.targets import target_arguments, why
 from ddp_utils.tasks.base import Batch, Task
 
@@ -155,7 +155,7 @@ def check_task(
             with counting() as counter:
                 returned = task.eval_step(checked, batch, _NamedUpdates(metrics))
             check_sums(task, model, batch, metrics, returned)
-    except ConfigError:
+    except UserError:
         raise
     except Exception as e:
         if checked.ran or inputs.ndim != 4:

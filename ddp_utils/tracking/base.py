@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ddp_utils.config import ConfigError
+from ddp_utils.config import ConfigError, UserError
 from ddp_utils.dist import broadcast_object
-from ddp_utils.run import log
+from ddp_utils.logs import log
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ class Trackers:
             self.trackers = self.make() if self.make is not None else []
             for t in self.trackers:
                 self._start_one(t, run, history)
-        except ConfigError as e:
+        except UserError as e:
             error = str(e)
         error = broadcast_object(error)
         if error is not None:
@@ -83,7 +83,7 @@ class Trackers:
     def _start_one(self, t: Tracker, run: TrackedRun, history: list[dict[str, Any]]) -> None:
         try:
             through = t.start(run)
-        except ConfigError:
+        except UserError:
             raise
         except ImportError as e:
             raise ConfigError(f"logger={t.name} needs the {e.name or 'missing'} package: pip "

@@ -11,7 +11,7 @@ import io
 from pathlib import Path
 
 from ddp_utils.files import atomic_write_text
-from ddp_utils.run import read_metrics
+from ddp_utils.run.records import read_metrics
 from ddp_utils.tracking.base import TrackedRun, Tracker
 
 

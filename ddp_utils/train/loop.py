@@ -25,24 +25,22 @@ from ddp_utils.dist import (
     restart_note,
     shared_store_warning,
 )
+from ddp_utils.lifecycle.preemption import Preempted
+from ddp_utils.logs import log, setup_logging
 from ddp_utils.metrics import evaluate, scalars
-from ddp_utils.preemption import Preempted
-from ddp_utils.run import (
-    append_metrics,
+from ddp_utils.run.folder import (
     classes_text,
     config_text,
-    log,
-    read_metrics,
     remove_if_unused,
     resolve_run_dir,
     resume_command,
     run_identity,
     seconds_since_process_start,
-    setup_logging,
     write_on_main,
     write_run_files,
     write_run_record,
 )
+from ddp_utils.run.records import append_metrics, read_metrics
 from ddp_utils.tasks import blank_batch, draw_predictions
 from ddp_utils.tracking import TrackedRun, environment_text, peak_memory_mb
 from ddp_utils.train.callbacks import Callback, build_callbacks

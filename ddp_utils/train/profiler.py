@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 from torch.profiler import ProfilerActivity, profile, record_function, schedule
 
-from ddp_utils.run import log
+from ddp_utils.logs import log
 from ddp_utils.train.callbacks import Callback
+from ddp_utils.train.state import no_phase
 
 if TYPE_CHECKING:
     from ddp_utils.config.schema import ProfilerOptions
@@ -34,12 +35,6 @@ PHASES = ("data", "forward", "backward", "optimizer", "validation", "checkpoint"
 # Collectives as the profiler names them: c10d's ops and the backends' own.
 COMMUNICATION = ("all_reduce", "allreduce", "reduce_scatter", "all_gather", "allgather",
                  "broadcast", "barrier")  # fmt: skip
-_NO_PHASE = contextlib.nullcontext()
-
-
-def no_phase(name: str) -> contextlib.AbstractContextManager:
-    """The phase mark when nothing profiles: one shared no-op."""
-    return _NO_PHASE
 
 
 def batches(loader: Any, phase: Callable[[str], contextlib.AbstractContextManager]) -> Iterator:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Callable
@@ -18,20 +19,27 @@ from ddp_utils.config import ConfigError, TrainConfig, TrainerConfig, as_plain_d
 from ddp_utils.data import DataBundle, build_data
 from ddp_utils.dist import Runtime, side_group_timeout
 from ddp_utils.flops import Utilisation, peak_flops, training_flops_per_sample
+from ddp_utils.lifecycle.preemption import StopRequest
+from ddp_utils.lifecycle.watchdog import StepWatchdog
+from ddp_utils.logs import log
 from ddp_utils.metrics import build_metrics
 from ddp_utils.models import build_model
 from ddp_utils.models.ema import EMA, ema_decay
 from ddp_utils.optim import build_optimizer, build_scheduler, warmup_steps
-from ddp_utils.preemption import StopRequest
 from ddp_utils.progress import Progress
 from ddp_utils.rng import seed_everything
-from ddp_utils.run import log
 from ddp_utils.strategy import Strategy, build_strategy, strategy_class
 from ddp_utils.tasks import Task, build_task, check_task
 from ddp_utils.tracking import Trackers, build_trackers, reset_peak_memory
 from ddp_utils.train.precision import amp_context, resolve_precision, set_numerics
-from ddp_utils.train.profiler import no_phase
-from ddp_utils.watchdog import StepWatchdog
+
+_NO_PHASE = contextlib.nullcontext()
+
+
+def no_phase(name: str) -> AbstractContextManager:
+    """The loop's phase mark when nothing profiles: one shared no-op (the profiler's
+    callback puts torch.profiler's in its place while it records)."""
+    return _NO_PHASE
 
 
 def check_runtime(cfg: TrainerConfig, rt: Runtime) -> None:

@@ -33,7 +33,7 @@ from ddp_utils.data.imagefolder import (
 )
 from ddp_utils.data.voc import open_voc
 from ddp_utils.dist import Runtime
-from ddp_utils.run import log
+from ddp_utils.logs import log
 
 INDEX_VERSION = 1
 MASK_MODES = ("L", "P", "1", "I;16", "I")  # one value a pixel (a palette image: its index)

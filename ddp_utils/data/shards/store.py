@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 import fsspec
 
-from ddp_utils.config import ConfigError
+from ddp_utils.config import ConfigError, UserError
 
 T = TypeVar("T")
 FOLDER_RETRIES = 3  # a cache folder removed again while it is made anew
@@ -40,7 +40,7 @@ S3_DEFAULTS = {"config_kwargs": {"connect_timeout": 5, "read_timeout": 20,
 _INHERITED: list[Any] = []  # store clients a forked process got from its parent
 
 
-class StoreUnavailable(ConfigError):
+class StoreUnavailable(UserError):
     """The store did not answer within the retries; raised where it happened (a DataLoader
     worker re-raises it in its rank with the message alone)."""
 
@@ -58,7 +58,7 @@ def retrying(what: str, attempt: Callable[[], T], retries: int) -> T:
     for n in range(retries):
         try:
             return attempt()
-        except (FileNotFoundError, PermissionError, ConfigError):
+        except (FileNotFoundError, PermissionError, UserError):
             raise
         except Exception as e:  # noqa: BLE001 - any transport error of any fsspec backend
             if n + 1 == retries:

@@ -1,11 +1,10 @@
-"""The run directory that every rank shares, and the rank-aware files written into it."""
+"""The run directory that every rank shares (chosen, locked, recorded in run.json), and the
+rank-aware files written into it."""
 
 from __future__ import annotations
 
 import hashlib
 import json
-import logging
-import math
 import os
 import shlex
 import shutil
@@ -18,7 +17,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from ddp_utils.config import ConfigError
+from ddp_utils.config import ConfigError, UserError
 from ddp_utils.dist import (
     Runtime,
     agent_args,
@@ -27,11 +26,9 @@ from ddp_utils.dist import (
     main_rank_runs,
     read_launch_env,
 )
-from ddp_utils.files import UnwritableError, atomic_write_text, writing_into
-from ddp_utils.lock import RunLock
-
-LOGGER_NAME = "ddp_recipes"
-log = logging.getLogger(LOGGER_NAME)
+from ddp_utils.files import atomic_write_text
+from ddp_utils.lifecycle.disk import UnwritableError, writing_into
+from ddp_utils.lifecycle.lock import RunLock
 
 
 def run_tag(run_id: str) -> str:
@@ -202,7 +199,7 @@ def resolve_run_dir(
             lock = RunLock.acquire(path)
             if identity is not None:  # the latest launch's, unfinished until it ends
                 write_run_record(path, identity, finished=False)
-        except ConfigError as e:
+        except UserError as e:
             error = str(e)
         except OSError as e:
             error = (f"run_dir={path} cannot be created or written ({e.strerror or e}); choose "
@@ -249,56 +246,6 @@ def write_on_main(run_dir: Path, rt: Runtime, write: Callable[[], Any]) -> None:
         raise UnwritableError(error)
 
 
-class _LogFile(logging.FileHandler):
-    """A log file that, once the disk is full, stops writing instead of printing a traceback
-    per record (the console still shows them; the failing write itself is reported)."""
-
-    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 - logging's name
-        if isinstance(sys.exc_info()[1], OSError):
-            self.setLevel(logging.CRITICAL + 1)
-            return
-        super().handleError(record)
-
-
-class _RankPrefix(logging.Formatter):
-    def __init__(self, rank: int) -> None:
-        super().__init__(f"[rank {rank}] %(levelname)s %(message)s")
-
-
-def setup_logging(run_dir: Path | None, rt: Runtime, name: str = "train") -> logging.Logger:
-    """Main rank: INFO to stdout and ``<name>.log``. Others: warnings and errors only, to stderr
-    and ``<name>.rank<N>.log`` (created only if something is written)."""
-    log.handlers.clear()
-    log.propagate = False
-    log.setLevel(logging.INFO)
-    if rt.is_main:
-        console = logging.StreamHandler(sys.stdout)
-        console.setFormatter(logging.Formatter("%(message)s"))
-        log.addHandler(console)
-        if run_dir is not None:
-            f = _LogFile(run_dir / f"{name}.log")
-            f.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
-            log.addHandler(f)
-    else:
-        console = logging.StreamHandler(sys.stderr)
-        console.setLevel(logging.WARNING)
-        console.setFormatter(_RankPrefix(rt.rank))
-        log.addHandler(console)
-        if run_dir is not None:
-            f = _LogFile(run_dir / f"{name}.rank{rt.rank}.log", delay=True)
-            f.setLevel(logging.WARNING)
-            f.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
-            log.addHandler(f)
-    return log
-
-
-def log_to_files(level: int, message: str) -> None:
-    """Into this rank's log files only (the console already shows the message)."""
-    for h in log.handlers:
-        if isinstance(h, logging.FileHandler):
-            h.handle(log.makeRecord(log.name, level, __file__, 0, message, None, None))
-
-
 def write_run_files(run_dir: Path, files: dict[str, Callable[[], str]], rt: Runtime) -> None:
     """The main rank writes each ``name: text()`` into ``run_dir`` (config.yaml, env.json,
     classes.json, ...) atomically; an unwritable folder stops every rank together."""
@@ -317,38 +264,6 @@ def config_text(cfg: Any) -> str:
 def classes_text(classes: list[str]) -> str:
     """``classes.json``: the class names in label order."""
     return json.dumps(classes, indent=1) + "\n"
-
-
-def strict_json(record: dict[str, Any]) -> str:
-    """One JSON line that strict parsers accept: a NaN or infinite value becomes null."""
-    clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v
-             for k, v in record.items()}  # fmt: skip
-    return json.dumps(clean, allow_nan=False)
-
-
-def append_metrics(run_dir: Path, record: dict[str, Any], rt: Runtime) -> None:
-    """One line of metrics.jsonl, whole or not at all; every rank learns if it failed."""
-
-    def append() -> None:
-        with open(run_dir / "metrics.jsonl", "ab") as f:
-            size = f.tell()
-            try:
-                f.write((strict_json(record) + "\n").encode())
-                f.flush()
-                os.fsync(f.fileno())
-            except OSError as e:
-                f.truncate(size)  # no torn line for the resume to trip over
-                e.filename = str(run_dir / "metrics.jsonl")
-                raise
-
-    write_on_main(run_dir, rt, append)
-
-
-def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    """metrics.jsonl's records; none when the file is missing."""
-    path = run_dir / "metrics.jsonl"
-    lines = path.read_text().splitlines() if path.exists() else []
-    return [json.loads(line) for line in lines if line.strip()]
 
 
 def seconds_since_process_start() -> float | None:

@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 
-from ddp_utils.dist import write_error_file
+from ddp_utils.lifecycle.peers import write_error_file
 
 STALLED_EXIT = 1
 OTHERS_PAUSE_S = 2.0
