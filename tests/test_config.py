@@ -100,7 +100,8 @@ def test_every_recipe_states_its_global_batch_and_learning_rate(recipe):
 
 @pytest.mark.parametrize("option,keys", [
     ("data=digits", ("data.batch_size", "data.num_workers", "data.val_fraction", "optim.lr",
-                     "trainer.epochs", "trainer.max_steps", "trainer.precision", "trainer.sync_bn",
+                     "trainer.epochs", "trainer.max_steps", "trainer.precision",
+                     "trainer.ddp.sync_bn",
                      "trainer.grad_accum_steps", "trainer.grad_clip", "trainer.compile",
                      "trainer.device", "trainer.backend", "seed", "run_dir")),
     ("data=mnist", ("data.root", "data.download", "data.val_slice")),
@@ -110,7 +111,7 @@ def test_public_keys_exist(option, keys):
     cfg = compose_train(option)
     for key in keys:
         group, _, leaf = key.rpartition(".")
-        assert leaf in (cfg[group] if group else cfg), key
+        assert leaf in (OmegaConf.select(cfg, group) if group else cfg), key
 
 
 def test_unknown_key_fails_naming_it():
@@ -307,3 +308,31 @@ def test_ddps_communication_keys_are_checked_by_name(override, message):
         to_schema(compose_train(override))
     cfg = to_schema(compose_train("trainer.ddp.comm_hook=powersgd"))
     assert (cfg.trainer.ddp.powersgd_rank, cfg.trainer.ddp.powersgd_start_iter) == (1, 10)
+
+
+def test_the_old_flat_ddp_keys_still_work_with_one_line_naming_the_new_key(capsys):
+    t = to_schema(compose_train("trainer.sync_bn=true", "trainer.bucket_cap_mb=50",
+                                "trainer.static_graph=false")).trainer  # fmt: skip
+    assert t.ddp.sync_bn is True and t.ddp.bucket_cap_mb == 50 and t.ddp.static_graph is False
+    assert (t.sync_bn, t.bucket_cap_mb, t.static_graph) == (None, None, None)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [
+        "warning: trainer.sync_bn is deprecated and will be removed in the next release; use "
+        "trainer.ddp.sync_bn=true (taken for this run)",
+        "warning: trainer.bucket_cap_mb is deprecated and will be removed in the next release; "
+        "use trainer.ddp.bucket_cap_mb=50 (taken for this run)",
+    ]  # a value equal to the default (what older checkpoints stored) says nothing
+    assert to_schema(compose_train("trainer.ddp.sync_bn=true")).trainer.ddp.sync_bn is True
+    assert capsys.readouterr().err == ""
+
+
+def test_activation_checkpointing_has_its_own_units_and_takes_fsdp_wrap_once_with_a_warning(
+    capsys,
+):
+    units = "trainer.activation_checkpointing_units=[Block]"
+    own = to_schema(compose_train("trainer.activation_checkpointing=true", units)).trainer
+    assert own.activation_checkpointing_units == ["Block"] and own.fsdp.wrap is None
+    old = to_schema(compose_train("trainer.activation_checkpointing=true",
+                                  "trainer.fsdp.wrap=[Block]")).trainer  # fmt: skip
+    assert old.activation_checkpointing_units == ["Block"]
+    assert "use trainer.activation_checkpointing_units=['Block']" in capsys.readouterr().err

@@ -380,7 +380,7 @@ HOOKED = ("trainer.epochs=2", "trainer.precision=32", "logger=none", "trainer.pr
 # 0.986, rank 1 0.872). Small buckets: the strategy makes them one under gloo (torch's hook
 # aborts on two).
 POWERSGD = ("trainer.epochs=6", "trainer.ddp.comm_hook=powersgd", "trainer.ddp.powersgd_rank=2",
-            "trainer.ddp.powersgd_start_iter=4", "trainer.bucket_cap_mb=0.01")  # fmt: skip
+            "trainer.ddp.powersgd_start_iter=4", "trainer.ddp.bucket_cap_mb=0.01")  # fmt: skip
 
 
 def test_ddps_half_precision_hooks_train_as_the_fp32_all_reduce_and_resume_exactly(tmp_path):

@@ -168,7 +168,7 @@ def test_ddps_all_reduce_makes_two_gpus_train_as_one(tmp_path):
 def test_sync_batchnorm_over_two_gpus_trains_as_one_gpu_on_the_whole_batch(tmp_path):
     common = ("data.global_batch_size=64", "data.batch_size=64", *SHORT, *EXACT)
     run_script("train.py", *common, f"run_dir={tmp_path}/one", nproc=1)
-    run_script("train.py", *common, "trainer.sync_bn=true", f"run_dir={tmp_path}/two", nproc=2)
+    run_script("train.py", *common, "trainer.ddp.sync_bn=true", f"run_dir={tmp_path}/two", nproc=2)
     close(params(tmp_path / "one"), params(tmp_path / "two"), 1e-4)
 
 

@@ -85,7 +85,7 @@ def test_units_skip_containers_without_a_forward():
     "strategy,key,value,message",
     [
         ("fsdp2", "ddp.comm_hook", "fp16", "trainer.ddp.comm_hook=fp16 is trainer.strategy=ddp's"),
-        ("fsdp2", "sync_bn", True, "trainer.sync_bn=true is trainer.strategy=ddp's"),
+        ("fsdp2", "ddp.sync_bn", True, "trainer.ddp.sync_bn=true is trainer.strategy=ddp's"),
         (
             "ddp",
             "fsdp.cpu_offload",

@@ -40,12 +40,12 @@ def test_two_ranks_at_batch_b_equal_one_rank_at_batch_2b(tmp_path):
 
 
 def test_bad_input_gives_one_message_and_a_non_zero_exit(tmp_path):
-    proc = run_script("train.py", "trainer.sync_bn=true", nproc=2, check=False, cwd=tmp_path)
+    proc = run_script("train.py", "trainer.ddp.sync_bn=true", nproc=2, check=False, cwd=tmp_path)
     assert proc.returncode != 0
     # Printed once, first (the other rank says nothing); torchrun's summary names it as the
     # root cause instead of a traceback.
     printed = [x for x in proc.stderr.splitlines() if x.startswith("error: ")]
-    assert len(printed) == 1 and "trainer.sync_bn=true needs CUDA" in printed[0]
+    assert len(printed) == 1 and "trainer.ddp.sync_bn=true needs CUDA" in printed[0]
     assert "Traceback" not in proc.stderr.split(printed[0])[0]
     assert f"traceback : {printed[0]}" in proc.stderr
     assert not (tmp_path / "outputs").exists()  # refused before anything was written

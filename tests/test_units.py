@@ -270,7 +270,9 @@ def test_a_rank_that_cannot_see_run_dir_says_so(tmp_path):
                  device=torch.device("cpu"), backend="gloo")  # fmt: skip
     missing = tmp_path / "on_another_node"
     with (
-        mock.patch("ddp_utils.run.folder.broadcast_object", return_value=(str(missing), False, None, "")),
+        mock.patch(
+            "ddp_utils.run.folder.broadcast_object", return_value=(str(missing), False, None, "")
+        ),
         mock.patch("ddp_utils.run.folder.barrier"),
         pytest.raises(ConfigError, match="shared") as e,
     ):

@@ -11,6 +11,7 @@ from ddp_utils.checkpoint.format import load_checkpoint, newest_loadable
 from ddp_utils.checkpoint.state import TrainingState, restore
 from ddp_utils.checkpoint.storage import checkpoint_dir, step_checkpoints
 from ddp_utils.config import ConfigError, TrainConfig, UserError, as_plain_dict, option_defaults
+from ddp_utils.config.schema import DEPRECATED_KEYS
 from ddp_utils.data.classes import class_difference
 from ddp_utils.dist import broadcast_object
 from ddp_utils.logs import log
@@ -40,6 +41,10 @@ def _is_identity(key: str, identity: tuple[str, ...]) -> bool:
     return any(key == k or key.startswith(k if k.endswith(".") else f"{k}.") for k in identity)
 
 
+# Not compared: where to resume from, and the deprecated flat keys (their values moved).
+UNCOMPARED = {"resume", *(f"trainer.{k}" for k in DEPRECATED_KEYS)}
+
+
 def config_changes(stored: dict[str, Any], cfg: TrainConfig) -> tuple[list[str], list[str]]:
     """(refused, allowed) changes between a checkpoint's config and this run's, as 'key: a -> b'.
 
@@ -54,7 +59,7 @@ def config_changes(stored: dict[str, Any], cfg: TrainConfig) -> tuple[list[str],
     old = {k: v for k, v in old.items() if _field_of(k, plain)}
     refused, allowed, identity = [], [], identity_keys(cfg)
     for key in sorted(old.keys() | new.keys()):
-        if key == "resume" or old.get(key) == new.get(key):
+        if key in UNCOMPARED or old.get(key) == new.get(key):
             continue
         change = f"{key}: {old.get(key)!r} -> {new.get(key)!r}"
         is_identity = _is_identity(key, identity)

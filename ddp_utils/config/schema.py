@@ -10,6 +10,8 @@ the key and the fix.
 
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
@@ -74,7 +76,7 @@ COMM_HOOKS = ("fp16", "bf16", "powersgd")  # DDP's built-in gradient compression
 
 @dataclass
 class CheckpointOptions:
-    """Where and how checkpoints are written (ddp_utils/checkpoint.py)."""
+    """Where and how checkpoints are written (ddp_utils/checkpoint/)."""
 
     # How long a sharded (fsdp2) save's collectives wait for the slowest rank's write: a slow
     # file system can take far longer than trainer.timeout_s for a large model
@@ -83,8 +85,12 @@ class CheckpointOptions:
 
 @dataclass
 class DDPOptions:
-    """``trainer.strategy=ddp``'s gradient communication (ddp_utils/strategy/ddp.py)."""
+    """``trainer.strategy=ddp``'s keys (ddp_utils/strategy/ddp.py)."""
 
+    sync_bn: bool = False  # SyncBatchNorm (CUDA only)
+    bucket_cap_mb: float = 25.0  # gradient bucket size
+    gradient_as_bucket_view: bool = True  # gradients alias DDP's buckets: one copy less
+    static_graph: bool = False  # the graph is the same every step
     # null (full-precision all-reduce) | fp16 | bf16 (each bucket in half the bytes) |
     # powersgd (large matrices as a low-rank product, with error feedback)
     comm_hook: str | None = None
@@ -100,7 +106,6 @@ class TrainerConfig:
     # Validate (and checkpoint) every N steps and at the end instead of at epoch ends
     val_every_steps: int | None = None
     precision: str = "auto"  # auto: bf16 where the hardware computes it natively, else 32
-    sync_bn: bool = False
     grad_accum_steps: int = 1
     grad_clip: float | None = None  # max global grad norm; null = off
     compile: bool = False
@@ -123,13 +128,18 @@ class TrainerConfig:
     # How the model is distributed (ddp_utils.strategy): ddp | fsdp2 | pkg.module.MyStrategy
     strategy: str = "ddp"
     fsdp: FSDPOptions = field(default_factory=FSDPOptions)
-    # Recompute each of the model's units (trainer.fsdp.wrap, or its own blocks) in the
-    # backward instead of keeping its activations: less memory, one more forward a unit
+    # Recompute each of the model's units in the backward instead of keeping its
+    # activations: less memory, one more forward a unit (either strategy)
     activation_checkpointing: bool = False
-    bucket_cap_mb: float = 25.0  # DDP gradient bucket size
-    gradient_as_bucket_view: bool = True  # gradients alias DDP's buckets: one copy less
-    static_graph: bool = False  # DDP: the graph is the same every step
+    # The module class names recomputed; null = the model's own blocks (as fsdp.wrap's null)
+    activation_checkpointing_units: list[str] | None = None
     ddp: DDPOptions = field(default_factory=DDPOptions)
+    # Deprecated spellings of trainer.ddp's keys, taken for one release with a warning: null
+    # = not given (DEPRECATED_KEYS)
+    sync_bn: bool | None = None
+    bucket_cap_mb: float | None = None
+    gradient_as_bucket_view: bool | None = None
+    static_graph: bool | None = None
     progress: str = "auto"  # auto (a bar when stderr is a terminal) | true | false
     ckpt_every_steps: int | None = None  # step checkpoints; null = only at epoch ends
     keep_last: int = 2  # newest step checkpoints kept (best.pt and last.pt besides)
@@ -252,9 +262,48 @@ def channels_last_on(value: bool | str) -> bool:
     return value is True or str(value).lower() == "true"
 
 
+# Old flat trainer keys and where they live now (DDP's keys moved under trainer.ddp).
+DEPRECATED_KEYS = {"sync_bn": "ddp.sync_bn", "bucket_cap_mb": "ddp.bucket_cap_mb",
+                   "gradient_as_bucket_view": "ddp.gradient_as_bucket_view",
+                   "static_graph": "ddp.static_graph"}  # fmt: skip
+
+
+def take_deprecated(t: TrainerConfig) -> None:
+    """Move each deprecated flat key's value to its new key, with one warning line naming the
+    new key (from global rank 0 only). A value equal to the new key's default says nothing:
+    checkpoints of earlier releases stored every flat key."""
+    for old, new in DEPRECATED_KEYS.items():
+        value = getattr(t, old)
+        setattr(t, old, None)
+        if value is None:
+            continue
+        node, key = new.split(".")
+        if value != getattr(type(getattr(t, node))(), key):
+            setattr(getattr(t, node), key, value)
+            deprecated(f"trainer.{old}", f"trainer.{new}", value)
+    if t.activation_checkpointing and t.activation_checkpointing_units is None and t.fsdp.wrap:
+        t.activation_checkpointing_units = list(t.fsdp.wrap)
+        deprecated("trainer.fsdp.wrap for activation checkpointing",
+                   "trainer.activation_checkpointing_units", t.fsdp.wrap)  # fmt: skip
+
+
+def deprecated(old: str, new: str, value: Any) -> None:
+    if os.environ.get("RANK", "0") == "0":
+        shown = (
+            str(value).lower()
+            if isinstance(value, bool)
+            else f"{value:g}"
+            if isinstance(value, float)
+            else value
+        )
+        print(f"warning: {old} is deprecated and will be removed in the next release; "
+              f"use {new}={shown} (taken for this run)", file=sys.stderr, flush=True)  # fmt: skip
+
+
 def check_run(cfg: TrainConfig) -> None:
     """The groups without options of their own schema: trainer, the top level."""
     t = cfg.trainer
+    take_deprecated(t)
     check_choice("trainer.precision", t.precision, PRECISIONS)
     check_choice("trainer.device", t.device, DEVICES)
     check_choice("trainer.backend", t.backend, BACKENDS)

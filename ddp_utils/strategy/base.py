@@ -82,8 +82,8 @@ def checkpoint_activations(model: nn.Module, units: list[nn.Module]) -> None:
 # that does not read one refuses a value other than its default (a silent no-op otherwise).
 STRATEGY_KEYS = {
     "ddp.comm_hook": "ddp", "ddp.powersgd_rank": "ddp", "ddp.powersgd_start_iter": "ddp",
-    "sync_bn": "ddp", "bucket_cap_mb": "ddp", "gradient_as_bucket_view": "ddp",
-    "static_graph": "ddp", "fsdp.reshard_after_forward": "fsdp2", "fsdp.cpu_offload": "fsdp2",
+    "ddp.sync_bn": "ddp", "ddp.bucket_cap_mb": "ddp", "ddp.gradient_as_bucket_view": "ddp",
+    "ddp.static_graph": "ddp", "fsdp.reshard_after_forward": "fsdp2", "fsdp.cpu_offload": "fsdp2",
     "fsdp.replicate": "fsdp2",
 }  # fmt: skip
 
@@ -153,7 +153,8 @@ class Strategy:
         compile it with ``trainer.compile``; return the module the training forward runs."""
         raw_model = self.prepare(raw_model)
         if self.trainer.activation_checkpointing:
-            units = model_units(raw_model, self.trainer.fsdp.wrap, "trainer.fsdp.wrap")
+            units = model_units(raw_model, self.trainer.activation_checkpointing_units,
+                                "trainer.activation_checkpointing_units")  # fmt: skip
             checkpoint_activations(raw_model, units)
         self.place(raw_model)
         self.raw_model = raw_model

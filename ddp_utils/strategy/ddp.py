@@ -1,5 +1,5 @@
 """``trainer.strategy=ddp``: a replica of the model on every rank, gradients all-reduced in
-buckets during the backward (DistributedDataParallel), SyncBatchNorm with ``trainer.sync_bn``,
+buckets during the backward (DistributedDataParallel), SyncBatchNorm with ``trainer.ddp.sync_bn``,
 and torch's gradient compression hooks with ``trainer.ddp.comm_hook`` (fp16 | bf16: each
 bucket all-reduced in half the bytes; powersgd: a low-rank approximation with error feedback,
 whose per-rank state is checkpointed per parameter so that a resume stays exact).
@@ -39,12 +39,12 @@ def compression_hook(name: str) -> object:
 
 
 class DDPStrategy(Strategy):
-    reads = ("ddp.comm_hook", "ddp.powersgd_rank", "ddp.powersgd_start_iter", "sync_bn",
-             "bucket_cap_mb", "gradient_as_bucket_view", "static_graph")  # fmt: skip
+    reads = ("ddp.comm_hook", "ddp.powersgd_rank", "ddp.powersgd_start_iter", "ddp.sync_bn",
+             "ddp.bucket_cap_mb", "ddp.gradient_as_bucket_view", "ddp.static_graph")  # fmt: skip
     powersgd: PowerSGD | None = None
 
     def prepare(self, raw_model: nn.Module) -> nn.Module:
-        if self.trainer.sync_bn:
+        if self.trainer.ddp.sync_bn:
             return nn.SyncBatchNorm.convert_sync_batchnorm(raw_model)
         return raw_model
 
@@ -89,9 +89,9 @@ class DDPStrategy(Strategy):
         t, rt = self.trainer, self.rt
         return {
             "device_ids": [rt.device.index] if rt.device.type == "cuda" else None,
-            "bucket_cap_mb": t.bucket_cap_mb,
-            "gradient_as_bucket_view": t.gradient_as_bucket_view,
-            "static_graph": t.static_graph,
+            "bucket_cap_mb": t.ddp.bucket_cap_mb,
+            "gradient_as_bucket_view": t.ddp.gradient_as_bucket_view,
+            "static_graph": t.ddp.static_graph,
             # No broadcast of rank 0's buffers before every forward (a collective and a wait
             # each step): rank 0's own running statistics follow the same course without it,
             # and every rank is given them before each validation and checkpoint

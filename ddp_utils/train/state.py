@@ -45,10 +45,10 @@ def no_phase(name: str) -> AbstractContextManager:
 def check_runtime(cfg: TrainerConfig, rt: Runtime) -> None:
     """Refuse what this device cannot do before anything is written."""
     strategy_class(cfg).check(cfg, rt)  # a strategy that does not exist, or cannot run here
-    if cfg.sync_bn and rt.device.type != "cuda":
+    if cfg.ddp.sync_bn and rt.device.type != "cuda":
         raise ConfigError(
-            "trainer.sync_bn=true needs CUDA: DDP refuses SyncBatchNorm on CPU modules. "
-            "Set trainer.sync_bn=false on CPU (or use a model without BatchNorm)."
+            "trainer.ddp.sync_bn=true needs CUDA: DDP refuses SyncBatchNorm on CPU modules. "
+            "Set trainer.ddp.sync_bn=false on CPU (or use a model without BatchNorm)."
         )
 
 
