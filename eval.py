@@ -30,7 +30,7 @@ register()
 @hydra.main(version_base=None, config_path="conf", config_name="eval")
 @record  # torchrun then reports the failing rank's traceback
 def main(cfg: DictConfig) -> float:
-    from ddp_utils.evaluation import run_eval  # here: --help and mistakes answer sooner
+    from ddp_utils.eval_checkpoint import run_eval  # here: --help and mistakes answer sooner
 
     with clean_exit(), process_group_left():
         result = run_eval(cfg, implied_options())

@@ -45,7 +45,7 @@ def corpus(tmp: Path, val_windows: int) -> tuple[Path, int]:
     """data=pystdlib prepared (once, in the cache), copied with a short val.bin."""
     sys.path.insert(0, str(ROOT))
     from ddp_utils.config import PyStdlibData
-    from ddp_utils.data.pystdlib import prepare_pystdlib
+    from ddp_utils.data.text.pystdlib import prepare_pystdlib
 
     src = prepare_pystdlib(PyStdlibData())
     dst = tmp / "pystdlib"

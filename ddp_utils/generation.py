@@ -16,7 +16,7 @@ from torch import nn
 
 from ddp_utils.checkpoint import inference_model, load_checkpoint
 from ddp_utils.config import ConfigError, GenerateConfig, from_record, to_schema
-from ddp_utils.data.tokenizer import Tokenizer, from_spec
+from ddp_utils.data.text.tokenizer import Tokenizer, from_spec
 from ddp_utils.files import atomic_write_text
 from ddp_utils.lifecycle.disk import writing_into
 from ddp_utils.models.probe import eval_mode

@@ -19,8 +19,8 @@ import sys
 from pathlib import Path
 
 from ddp_utils.config import UserError
-from ddp_utils.data.text import prepare, text_files
-from ddp_utils.data.tokenizer import TOKENIZER_KINDS
+from ddp_utils.data.text.text import prepare, text_files
+from ddp_utils.data.text.tokenizer import TOKENIZER_KINDS
 
 
 def main(argv: list[str] | None = None) -> int:

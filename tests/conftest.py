@@ -284,7 +284,7 @@ def run_forked_group(
     # imported once here rather than in every fork: the scripts' heavy imports (torch,
     # torchvision, torchmetrics, hydra) are most of a short run's seconds
     import ddp_utils.entry  # noqa: F401
-    import ddp_utils.evaluation  # noqa: F401
+    import ddp_utils.eval_checkpoint  # noqa: F401
     import ddp_utils.train.loop  # noqa: F401
 
     files = [(tempfile.TemporaryFile(), tempfile.TemporaryFile()) for _ in envs]  # noqa: SIM115

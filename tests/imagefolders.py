@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 from ddp_utils.config import DigitsData
-from ddp_utils.data.builtin import load_split
+from ddp_utils.data.images.builtin import load_split
 
 
 def write_digits_folder(root: Path, ext: str = "png", limit: int | None = None) -> Path:

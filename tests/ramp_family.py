@@ -9,8 +9,8 @@ from typing import ClassVar
 import torch
 
 from ddp_utils.config import DataConfig
-from ddp_utils.data.builtin import ImageTensorDataset
 from ddp_utils.data.bundle import DataBundle, EvalData, image_bundle, image_eval
+from ddp_utils.data.images.builtin import ImageTensorDataset
 from ddp_utils.data.loaders import TensorLoader
 from ddp_utils.data.samplers import EvalShardSampler, training_sampler
 

@@ -17,10 +17,10 @@ from torch.utils.data import DataLoader
 
 from ddp_utils.config import ConfigError, CustomData, ImageFolderData, to_schema
 from ddp_utils.data import build_data, build_eval_data
-from ddp_utils.data.imagefolder import BadImageError, ImageFolderSource, decode, load_index
+from ddp_utils.data.images.imagefolder import BadImageError, ImageFolderSource, decode, load_index
+from ddp_utils.data.images.transforms import SeededTransform, train_transform
 from ddp_utils.data.loaders import default_num_workers
 from ddp_utils.data.samplers import EpochTagged, ResumableDistributedSampler
-from ddp_utils.data.transforms import SeededTransform, train_transform
 from ddp_utils.dist import Runtime
 from ddp_utils.entry import register
 from ddp_utils.train.state import Training
@@ -185,7 +185,7 @@ def test_custom_target_errors_are_one_paragraph(monkeypatch):
     with pytest.raises(ConfigError, match="could not be called with {'nope': 1}"):
         build_data(CustomData(**base, _target_="imagefolders.digits_datasets",
                               kwargs={"nope": 1}), RT, seed=0)  # fmt: skip
-    loader, _, classes = build_eval_data(
+    loader, _, classes, _ = build_eval_data(
         CustomData(**base, _target_="imagefolders.digits_datasets", kwargs={"limit": 20},
                    resize_size=8, num_workers=0), RT, seed=0,
     )  # fmt: skip
@@ -226,7 +226,7 @@ def _touch(path, data: bytes = b"x") -> None:
 def test_scan_follows_each_folder_once_and_skips_loops(tmp_path):
     import logging
 
-    from ddp_utils.data.imagefolder import class_folders, scan
+    from ddp_utils.data.images.imagefolder import class_folders, scan
 
     root, outside = tmp_path / "root", tmp_path / "outside"
     train = root / "train"
@@ -295,7 +295,7 @@ def test_16_bit_pngs_are_scaled_to_8_bits(tmp_path, layout):
 def test_a_16_bit_png_among_8_bit_ones_batches(tmp_path):
     from imagefolders import write_png16
 
-    from ddp_utils.data.transforms import eval_transform
+    from ddp_utils.data.images.transforms import eval_transform
 
     folder = write_digits_folder(tmp_path / "f", limit=20)
     write_png16(folder / "train" / "3" / "wide.png", np.full((8, 8), 40000, dtype=np.uint16))
@@ -315,7 +315,7 @@ def test_a_16_bit_png_among_8_bit_ones_batches(tmp_path):
     ],
 )
 def test_pil_images_of_wide_modes_are_scaled(array, expected):
-    from ddp_utils.data.imagefolder import pil_to_uint8
+    from ddp_utils.data.images.imagefolder import pil_to_uint8
 
     image = pil_to_uint8(Image.fromarray(array), 1, "item")
     assert image.dtype == torch.uint8 and image[0].tolist() == expected
@@ -323,7 +323,7 @@ def test_pil_images_of_wide_modes_are_scaled(array, expected):
 
 
 def test_images_out_of_range_are_refused_naming_them_or_skipped():
-    from ddp_utils.data.custom import CustomSource
+    from ddp_utils.data.images.custom import CustomSource
 
     items = [
         (Image.fromarray(np.full((8, 8), 7.5, dtype=np.float32)), 1),  # mode F beyond [0, 1]
@@ -370,7 +370,7 @@ def test_a_data_family_outside_the_package_is_built_from_its_schema_alone():
                 seen += [
                     int(v) for v, lab in zip(images[:, 0, 0, 0], labels, strict=True) if lab >= 0
                 ]
-        loader, preprocess, classes = build_eval_data(cfg, rt, seed=0)
+        loader, preprocess, classes, _ = build_eval_data(cfg, rt, seed=0)
         assert classes is None and len(loader.sampler) in (3, 4)
     assert sorted(shards) == list(range(100, 111))  # every validation sample exactly once
 
@@ -392,7 +392,7 @@ def test_the_one_step_crop_and_flip_draws_and_makes_v2s_pixels(size):
     the same RNG state after (extreme aspect ratios take v2's central fallback crop)."""
     from torchvision.transforms import v2
 
-    from ddp_utils.data.transforms import CropFlip
+    from ddp_utils.data.images.transforms import CropFlip
 
     mode = v2.InterpolationMode.BILINEAR
     ref = v2.Compose([v2.RandomResizedCrop(32, interpolation=mode, antialias=True),
@@ -415,7 +415,7 @@ def test_the_seeded_crop_and_flip_is_v2s_crop_at_the_seeds_draws(size, channels)
     from torchvision.transforms import v2
     from torchvision.transforms.v2 import functional as F
 
-    from ddp_utils.data.transforms import CropFlip, SeedDraws
+    from ddp_utils.data.images.transforms import CropFlip, SeedDraws
 
     fast = CropFlip(32, v2.InterpolationMode.BILINEAR)
     images = torch.randint(0, 256, (100, channels, *size), dtype=torch.uint8)

@@ -17,7 +17,7 @@ from conftest import in_gloo_group  # noqa: E402
 from ddp_utils.config import DigitsDetData  # noqa: E402
 from ddp_utils.data.detection.canvases import DetCanvasSource, ink_box  # noqa: E402
 from ddp_utils.data.samplers import EvalShardSampler  # noqa: E402
-from ddp_utils.metrics import BatchOrder  # noqa: E402
+from ddp_utils.evaluation import BatchOrder  # noqa: E402
 from ddp_utils.tasks.detection import ExactMeanAveragePrecision  # noqa: E402
 
 

@@ -13,7 +13,7 @@ from torchmetrics.classification import MulticlassAccuracy, MulticlassAUROC
 from torchmetrics.text import Perplexity
 
 from ddp_utils.data.samplers import EvalShardSampler
-from ddp_utils.metrics import BatchOrder
+from ddp_utils.evaluation import BatchOrder
 
 N, BATCH, CLASSES = 101, 8, 5  # 13 batches, the last of 5
 

@@ -14,16 +14,11 @@ from conftest import compose_config, run_forked
 from lm_data import split_into_shards, write_token_folder
 
 from ddp_utils.config import ConfigError, PyStdlibData, TokenData
-from ddp_utils.data import pystdlib
 from ddp_utils.data import resolve_data as resolve_tokens
 from ddp_utils.data.samplers import IGNORE_LABEL, EvalShardSampler, ResumableDistributedSampler
-from ddp_utils.data.tokenizer import ByteTokenizer, CharTokenizer, from_spec, train_bpe
-from ddp_utils.data.tokens import (
-    WindowLoader,
-    eval_windows,
-    read_meta,
-    train_windows,
-)
+from ddp_utils.data.text import pystdlib
+from ddp_utils.data.text.tokenizer import ByteTokenizer, CharTokenizer, from_spec, train_bpe
+from ddp_utils.data.text.tokens import WindowLoader, eval_windows, read_meta, train_windows
 from ddp_utils.dist import Runtime
 from ddp_utils.models import build_model
 from ddp_utils.models.gpt import GPT
@@ -270,7 +265,7 @@ def test_custom_and_hf_models_take_ids_to_logits_and_pass_the_check(tmp_path):
         cfg = dataclasses.replace(cfg, data=resolve_tokens(cfg.data, RT))
         task = build_task(cfg)
         model = build_model(cfg.model, cfg.data)
-        from ddp_utils.metrics import build_metrics
+        from ddp_utils.evaluation import build_metrics
 
         check_task(task, model, build_metrics(cfg.task, task, RT.device), cfg, RT.device)
         assert model(torch.zeros(2, 8, dtype=torch.long)).shape == (2, 8, 30), option
@@ -360,7 +355,7 @@ def test_gpt_attention_under_cpu_bf16_autocast_runs_in_fp32_and_returns_bf16():
 
 
 def test_an_empty_prompt_suggests_what_a_shell_passes_on():
-    from ddp_utils.data.tokenizer import from_spec
+    from ddp_utils.data.text.tokenizer import from_spec
     from ddp_utils.generation import encode_prompt
 
     tokenizer = from_spec({"kind": "char", "chars": sorted("def \n")})

@@ -240,7 +240,7 @@ def test_no_module_of_the_package_reads_a_test_only_variable():
 
 
 def _probe(*overrides: str) -> None:
-    from ddp_utils.metrics import build_metrics
+    from ddp_utils.evaluation import build_metrics
     from ddp_utils.tasks import build_task, check_task
 
     cfg = compose_config(*overrides)

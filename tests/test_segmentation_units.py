@@ -232,7 +232,7 @@ def test_samples_per_second_counts_epoch_positions_not_padding_duplicates():
 
 
 def test_mean_iou_leaves_out_a_class_absent_from_truth_and_prediction():
-    from ddp_utils.metrics import build_metrics
+    from ddp_utils.evaluation import build_metrics
 
     cfg = compose_train("experiment=digits_segmentation")
     task = Segmentation(num_classes=3, image_size=4)
@@ -257,7 +257,7 @@ def test_torchvision_segmentation_models_build_for_the_data(arch, aux, tmp_path)
     cfg = compose_train("task=segmentation", "model=torchvision_seg", f"model.arch={arch}",
                         f"model.aux_loss={aux}", "data=digits_seg",
                         f"model.weights_backbone={tmp_path / 'backbone.pt'}")  # fmt: skip
-    from ddp_utils.metrics import build_metrics
+    from ddp_utils.evaluation import build_metrics
     from ddp_utils.models import build_model
 
     task = build_task(cfg)
@@ -273,7 +273,7 @@ def test_torchvision_segmentation_models_build_for_the_data(arch, aux, tmp_path)
 
 
 def test_a_head_for_another_class_count_is_refused_before_training():
-    from ddp_utils.metrics import build_metrics
+    from ddp_utils.evaluation import build_metrics
     from ddp_utils.models import build_model
 
     cfg = compose_train("experiment=digits_segmentation")
@@ -348,7 +348,7 @@ def test_a_head_without_aux_refuses_model_aux_loss():
     ("custom_models.PooledSegNet", r"has shape \(2, 11, 16, 16\).*needs \(2, 11, 32, 32\)"),
 ])  # fmt: skip
 def test_a_custom_segmentation_model_returns_a_tensor_or_a_dict_with_out(target, error):
-    from ddp_utils.metrics import build_metrics
+    from ddp_utils.evaluation import build_metrics
     from ddp_utils.models import build_model
 
     cfg = compose_train("experiment=digits_segmentation", "model=custom",

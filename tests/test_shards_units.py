@@ -18,8 +18,8 @@ from seaweed import free_ports
 
 from ddp_utils.config import ConfigError, ShardsData
 from ddp_utils.data.samplers import ResumableDistributedSampler
-from ddp_utils.data.shards import window_order
 from ddp_utils.data.shards.formats import ClassFormat
+from ddp_utils.data.shards.reader import window_order
 from ddp_utils.data.shards.store import NodeCache, Store, StoreUnavailable
 from ddp_utils.data.shards.tarindex import index_shard, split_name
 
@@ -267,7 +267,7 @@ def test_brace_patterns_name_the_shards_in_their_order(tmp_path):
 def test_a_decoded_arrays_header_is_read_once_and_its_bytes_as_they_lie():
     import numpy as np
 
-    from ddp_utils.data.shards import decode_member
+    from ddp_utils.data.shards.reader import decode_member
     from ddp_utils.data.shards.tarindex import RAW
 
     members = []
@@ -309,7 +309,7 @@ def test_the_writers_printed_command_trains(tmp_path):
 
 
 def test_resize_applies_to_png_shards_too():
-    from ddp_utils.shards import encode
+    from ddp_utils.data.shards.writer import encode
 
     image = torch.zeros(1, 8, 16, dtype=torch.uint8)
     kind, data = encode(image, decoded=False, resize=4)

@@ -25,7 +25,7 @@ from ddp_utils.config import (
     option_schema,
 )
 from ddp_utils.data import Preprocess, load_split
-from ddp_utils.data.preprocess import random_crop_flip
+from ddp_utils.data.images.preprocess import random_crop_flip
 from ddp_utils.data.samplers import EvalShardSampler
 from ddp_utils.dist import (
     Runtime,
@@ -285,7 +285,7 @@ def test_eval_metrics_match_scikit_learns_and_leave_skipped_images_out():
 
     from ddp_utils.config import TaskConfig
     from ddp_utils.data.samplers import BAD_LABEL
-    from ddp_utils.metrics import build_metrics, evaluate
+    from ddp_utils.evaluation import build_metrics, evaluate
     from ddp_utils.tasks.classification import Classification
 
     g = torch.Generator().manual_seed(0)
@@ -319,7 +319,7 @@ def test_eval_metrics_match_scikit_learns_and_leave_skipped_images_out():
 def test_digits_are_scikit_learns_load_digits():
     from sklearn.datasets import load_digits
 
-    from ddp_utils.data.builtin import digits_arrays
+    from ddp_utils.data.images.builtin import digits_arrays
 
     images, target = digits_arrays()
     bunch = load_digits()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ddp_utils.checkpoint.finite import check_state
 from ddp_utils.checkpoint.format import write
-from ddp_utils.checkpoint.state import TrainingState, capture
+from ddp_utils.checkpoint.state import LOSS_SUM, TrainingState, capture
 from ddp_utils.checkpoint.storage import checkpoint_dir
 
 
@@ -14,7 +14,7 @@ def save(tr: TrainingState, also: tuple[str, ...] = ()) -> None:
     the strategy shards parameters) and publishes it as each name in ``also``, such as
     best.pt; everyone waits for it."""
     state = capture(tr)
-    check_state(tr, state["epoch_totals"][0])  # nothing non-finite is ever written
+    check_state(tr, state["epoch_totals"][LOSS_SUM])  # nothing non-finite is ever written
     t = tr.cfg.trainer
     path = write(state, checkpoint_dir(tr.run_dir), also, t.keep_last, tr.rt,
                  tr.strategy.shards_parameters, t.checkpoint.timeout_s)  # fmt: skip

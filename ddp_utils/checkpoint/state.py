@@ -18,6 +18,9 @@ from ddp_utils.optim import build_scheduler
 from ddp_utils.rng import capture_rng, restore_rng, seed_everything
 
 SCHEDULE_LENGTH_KEYS = ("total_steps", "_schedule_phases")  # OneCycleLR's
+# The epoch's running sums (``epoch_totals``, one float64 tensor so that one all-reduce sums
+# them all): the loss, its count (samples, or counted pixels), the skipped images.
+LOSS_SUM, COUNT, SKIPPED = 0, 1, 2
 
 
 class TrainingState(Protocol):

@@ -73,7 +73,7 @@ class DataConfig:
     wrong_task: ClassVar[str] = ""
     # The module that builds this option's loaders (``ddp_utils.data.registry`` says what it
     # defines); a new data family is that module, its schema here and its conf/data file.
-    family: ClassVar[str] = "ddp_utils.data.in_memory"
+    family: ClassVar[str] = "ddp_utils.data.images.in_memory"
     # Whether the family's ``resolve`` fills in ``num_classes=null`` from the data.
     counts_classes: ClassVar[bool] = False
     # The keys whose change makes a checkpoint another experiment's (resume refuses it).
@@ -204,7 +204,7 @@ class StreamedData(DataConfig):
     """What the streamed options share: images decoded and transformed per sample in the
     loader's workers (the classification references' presets)."""
 
-    family: ClassVar[str] = "ddp_utils.data.streamed"
+    family: ClassVar[str] = "ddp_utils.data.images.streamed"
 
     resize_size: int | None = None  # evaluation Resize; null = round(image_size / 0.875)
     interpolation: str = "bilinear"  # nearest | bilinear | bicubic
@@ -267,7 +267,7 @@ class ShardsData(StreamedData, ShardStore):
     """data=shards: WebDataset-layout tar shards (KEY.<image> + KEY.cls) under
     data.root/<train_dir>/*.tar (and <val_dir>), in a local folder or at any fsspec URL."""
 
-    family: ClassVar[str] = "ddp_utils.data.shards"
+    family: ClassVar[str] = "ddp_utils.data.shards.reader"
     name: str = "shards"
 
 
@@ -590,7 +590,7 @@ class TokenData(DataConfig):
     with numpy.memmap) and root/meta.json (vocab_size, dtype, the tokenizer)."""
 
     holds: ClassVar[str] = "tokens"
-    family: ClassVar[str] = "ddp_utils.data.tokens"
+    family: ClassVar[str] = "ddp_utils.data.text.tokens"
     identity: ClassVar[tuple[str, ...]] = DataConfig.identity + ("block_size", "vocab_size")
     root_may_be_null: ClassVar[bool] = False
     wrong_task: ClassVar[str] = (
@@ -654,7 +654,7 @@ class PyStdlibData(TokenData):
     """data=pystdlib: the running interpreter's standard library .py sources as text,
     tokenized once into root (null = the per-user data cache)."""
 
-    family: ClassVar[str] = "ddp_utils.data.pystdlib"
+    family: ClassVar[str] = "ddp_utils.data.text.pystdlib"
     identity: ClassVar[tuple[str, ...]] = TokenData.identity + ("tokenizer", "val_fraction")
     root_may_be_null: ClassVar[bool] = True  # the per-user cache
 

@@ -19,10 +19,10 @@ from __future__ import annotations
 from typing import Any
 
 from ddp_utils.config import DataConfig
-from ddp_utils.data.builtin import load_split
 from ddp_utils.data.bundle import DataBundle, EvalData, Unit
+from ddp_utils.data.images.builtin import load_split
+from ddp_utils.data.images.preprocess import Preprocess
 from ddp_utils.data.loaders import close_loader
-from ddp_utils.data.preprocess import Preprocess
 from ddp_utils.data.registry import family_of
 from ddp_utils.data.samplers import BAD_LABEL, IGNORE_LABEL
 from ddp_utils.dist import Runtime

@@ -8,9 +8,9 @@ from typing import Any, NamedTuple
 from torch import nn
 from torch.utils.data import DataLoader
 
-from ddp_utils.config import DataConfig
+from ddp_utils.config import DataConfig, skips_bad_images
+from ddp_utils.data.images.preprocess import Preprocess
 from ddp_utils.data.loaders import TensorLoader, close_loader
-from ddp_utils.data.preprocess import Preprocess
 from ddp_utils.data.samplers import ResumableDistributedSampler
 from ddp_utils.dist import Runtime
 
@@ -36,6 +36,9 @@ class DataBundle:
     unit: Unit = field(default_factory=Unit)
     # What the data adds to a checkpoint for inference (token data: its tokenizer spec).
     checkpoint_extras: dict[str, Any] = field(default_factory=dict)
+    # Whether an unreadable image is skipped (and counted) rather than ending the run: the
+    # families that read image files one by one offer it (``data.skip_bad_images``).
+    skips_bad_images: bool = False
 
     def close(self) -> None:
         """Stop the loaders' worker processes (a loader iterated again starts new ones)."""
@@ -47,6 +50,7 @@ class EvalData(NamedTuple):
     loader: TensorLoader | DataLoader
     preprocess: nn.Module
     classes: list[str] | None
+    skips_bad_images: bool = False
 
 
 def image_bundle(
@@ -66,6 +70,7 @@ def image_bundle(
         preprocess_train=Preprocess(cfg, augment_on_device, channels_last).to(rt.device),
         preprocess_eval=Preprocess(cfg, False, channels_last).to(rt.device),
         classes=classes,
+        skips_bad_images=skips_bad_images(cfg),
     )
 
 
@@ -76,4 +81,5 @@ def image_eval(
     classes: list[str] | None,
     channels_last: bool | str,
 ) -> EvalData:
-    return EvalData(loader, Preprocess(cfg, False, channels_last).to(rt.device), classes)
+    preprocess = Preprocess(cfg, False, channels_last).to(rt.device)
+    return EvalData(loader, preprocess, classes, skips_bad_images(cfg))

@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from ddp_utils.config import DataConfig
-from ddp_utils.data.builtin import ImageTensorDataset
+from ddp_utils.data.images.builtin import ImageTensorDataset
 from ddp_utils.data.samplers import (
     IGNORE_LABEL,
     SENTINEL,

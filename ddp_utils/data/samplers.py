@@ -24,7 +24,7 @@ class EvalShardSampler(Sampler[int]):
     batch ``k`` goes to rank ``k % W``. Each batch then holds the same samples at any world
     size, so each sample's output (and a batch's sum) is the one-process number, to the last
     digit; the evaluation puts the batches' results back in batch order
-    (``ddp_utils.metrics``). DistributedSampler instead pads the set until its length divides
+    (``ddp_utils.evaluation``). DistributedSampler instead pads the set until its length divides
     by the world size, so duplicates are counted twice. Ranks' batch counts differ by at most
     one: an evaluation loop must not put a collective inside its per-batch loop.
     """

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ddp_utils.config import ConfigError, DataConfig, ModelConfig
-from ddp_utils.targets import why
+from ddp_utils.instantiate import why
 
 PROBE_BATCH = 2  # BatchNorm needs more than one value per channel (it is in eval mode anyway)
 # Sizes tried, only after a failure, to tell the user which one the model takes.

@@ -118,7 +118,7 @@ class Strategy:
     synchronise, the main rank writes whole state dicts."""
 
     # Whether every forward is a collective, so that evaluation must run the same number of
-    # forwards on every rank (ddp_utils.metrics.evaluate).
+    # forwards on every rank (ddp_utils.evaluation.evaluate).
     lockstep_eval: bool = False
     # Whether parameters are DTensor shards: the optimizer is built for them and checkpoints
     # are sharded folders (ddp_utils.checkpoint.format).

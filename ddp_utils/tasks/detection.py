@@ -3,7 +3,7 @@ losses in training, per-image ``{"boxes", "scores", "labels"}`` in evaluation) t
 own losses, scored by COCO's mAP through torchmetrics' ``MeanAveragePrecision``.
 
 The evaluation joins the metric's per-image lists in the data set's order on every rank
-(``ddp_utils.metrics.BatchOrder``), so mAP, COCO's tie-breaks included, is the same at any
+(``ddp_utils.evaluation.BatchOrder``), so mAP, COCO's tie-breaks included, is the same at any
 world size, to the last digit.
 """
 

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ddp_utils.dist import Runtime
-from ddp_utils.targets import build_instance
+from ddp_utils.instantiate import build_instance
 from ddp_utils.tracking.base import TrackedRun, Tracker, Trackers, tracked_values
 from ddp_utils.tracking.env import (
     environment,

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ddp_utils.config import ConfigError
-from ddp_utils.targets import build_instance
+from ddp_utils.instantiate import build_instance
 
 if TYPE_CHECKING:
     from ddp_utils.train.state import Training

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from ddp_utils.checkpoint import diverged, resume, save
-from ddp_utils.config import TrainConfig, skips_bad_images
+from ddp_utils.checkpoint.state import COUNT, LOSS_SUM, SKIPPED
+from ddp_utils.config import TrainConfig
 from ddp_utils.data import resolve_data
 from ddp_utils.dist import (
     Runtime,
@@ -25,9 +26,9 @@ from ddp_utils.dist import (
     restart_note,
     shared_store_warning,
 )
+from ddp_utils.evaluation import evaluate, scalars
 from ddp_utils.lifecycle.preemption import Preempted
 from ddp_utils.logs import log, setup_logging
-from ddp_utils.metrics import evaluate, scalars
 from ddp_utils.run.folder import (
     classes_text,
     config_text,
@@ -70,11 +71,11 @@ def optimizer_step(tr: Training) -> None:
 
 def train_step(tr: Training, images: Any, target: Any, scale: float) -> None:
     """Forward, loss, backward of one micro-batch; the loss is summed into ``epoch_totals``."""
-    skip_bad = skips_bad_images(tr.cfg.data)
+    skip_bad = tr.data.skips_bad_images
     with tr.phase("data"):
         batch = tr.task.to_batch(images, target, tr.rt.device, tr.data.preprocess_train, skip_bad)
     if skip_bad:  # an unreadable image, skipped: counted apart, ignored
-        tr.epoch_totals[2] += batch.skipped
+        tr.epoch_totals[SKIPPED] += batch.skipped
     # Padding duplicates are not real: the task sums over real samples only.
     with tr.phase("forward"), tr.amp():
         loss_sum, n_real = tr.task.train_loss(tr.model, batch)
@@ -86,8 +87,8 @@ def train_step(tr: Training, images: Any, target: Any, scale: float) -> None:
         # so they stay out of the running loss (on the device: no host sync).
         finite = torch.isfinite(loss_sum)
         loss_sum, n_real = torch.where(finite, loss_sum, 0.0), torch.where(finite, n_real, 0)
-    tr.epoch_totals[0] += loss_sum
-    tr.epoch_totals[1] += n_real
+    tr.epoch_totals[LOSS_SUM] += loss_sum
+    tr.epoch_totals[COUNT] += n_real
 
 
 def train_one_epoch(tr: Training) -> dict[str, float] | None:
@@ -169,10 +170,13 @@ def interval_stats(tr: Training) -> dict[str, float]:
     totals = all_reduce_sum(tr.epoch_totals.clone()).tolist()
     elapsed = time.perf_counter() - tr.interval_start
     samples = tr.samples_seen - tr.interval_samples
-    stats = {"train/loss": totals[0] / max(totals[1], 1), "samples_per_s": samples / elapsed}
+    stats = {
+        "train/loss": totals[LOSS_SUM] / max(totals[COUNT], 1),
+        "samples_per_s": samples / elapsed,
+    }
     stats["mfu"] = tr.utilisation.of(stats["samples_per_s"])
-    if skips_bad_images(tr.cfg.data):
-        stats["train/skipped_images"] = int(totals[2])
+    if tr.data.skips_bad_images:
+        stats["train/skipped_images"] = int(totals[SKIPPED])
     return stats
 
 
@@ -204,7 +208,7 @@ def after_step(tr: Training, checkpoint_follows: bool) -> None:
     tr.progress.update(tr.step)
     if tr.step % tr.cfg.trainer.log_every_steps == 0 and tr.rt.is_main:
         # This rank's running loss: one host sync per log point, none per step.
-        loss_sum, count = tr.epoch_totals[:2].tolist()
+        loss_sum, count = tr.epoch_totals[[LOSS_SUM, COUNT]].tolist()
         loss, lr = loss_sum / max(count, 1), current_lr(tr)
         if not math.isfinite(loss):
             tr.stop.diverged = True  # every rank stops at the next poll, without saving
@@ -224,12 +228,12 @@ def validate(tr: Training, model: nn.Module, prefix: str) -> dict[str, Any]:
     """``prefix/NAME`` of every scalar metric (``accuracy``, ``loss``, ...) of ``model`` on the
     validation set; the full result (vectors too) goes to ``tr.validation[prefix]``."""
     val = evaluate(model, tr.data.val, tr.data.preprocess_eval, tr.rt, tr.task, tr.metrics,
-                   tr.amp, tr.watchdog, skip_bad=skips_bad_images(tr.cfg.data),
+                   tr.amp, tr.watchdog, skip_bad=tr.data.skips_bad_images,
                    lockstep=tr.strategy.lockstep_eval,
                    blank=lambda: blank_batch(tr.task, tr.cfg, tr.rt.device))  # fmt: skip
     tr.validation[prefix] = val
     numbers = scalars(val)
-    if not skips_bad_images(tr.cfg.data):
+    if not tr.data.skips_bad_images:
         numbers.pop("skipped_images")
     return {f"{prefix}/{k}": v for k, v in numbers.items()}
 

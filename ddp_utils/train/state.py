@@ -18,11 +18,11 @@ from torchmetrics import MetricCollection
 from ddp_utils.config import ConfigError, TrainConfig, TrainerConfig, as_plain_dict
 from ddp_utils.data import DataBundle, build_data
 from ddp_utils.dist import Runtime, side_group_timeout
+from ddp_utils.evaluation import build_metrics
 from ddp_utils.flops import Utilisation, peak_flops, training_flops_per_sample
 from ddp_utils.lifecycle.preemption import StopRequest
 from ddp_utils.lifecycle.watchdog import StepWatchdog
 from ddp_utils.logs import log
-from ddp_utils.metrics import build_metrics
 from ddp_utils.models import build_model
 from ddp_utils.models.ema import EMA, ema_decay
 from ddp_utils.optim import build_optimizer, build_scheduler, warmup_steps

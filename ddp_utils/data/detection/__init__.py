@@ -21,9 +21,9 @@ from ddp_utils.config import (
     VOCDetData,
 )
 from ddp_utils.data.bundle import DataBundle, EvalData, image_bundle, image_eval
+from ddp_utils.data.images.transforms import SeededTransform
 from ddp_utils.data.loaders import eval_shard_loader, sharded_loaders
 from ddp_utils.data.registry import by_schema
-from ddp_utils.data.transforms import SeededTransform
 from ddp_utils.dist import Runtime, local_main_first
 
 
@@ -47,7 +47,7 @@ def voc_source(cfg: DetectionData, split: str, rt: Runtime):
 
 
 def shards_source(cfg: DetectionData, split: str, rt: Runtime):
-    from ddp_utils.data.shards import samples
+    from ddp_utils.data.shards.reader import samples
 
     return samples(cfg, rt, split)
 
@@ -63,7 +63,7 @@ def coco_class_count(cfg: DetFolderData) -> int:
 
 
 def shards_class_count(cfg: DetShardsData) -> int:
-    from ddp_utils.data.shards import class_names
+    from ddp_utils.data.shards.reader import class_names
 
     return len(class_names(cfg))
 

@@ -15,7 +15,7 @@ import torch
 from torchvision import tv_tensors
 
 from ddp_utils.config import ConfigError
-from ddp_utils.data.imagefolder import decode
+from ddp_utils.data.images.imagefolder import decode
 
 EDGE_SLACK = 1.0  # pixels a box may pass its image's border by (annotation tools round)
 

@@ -13,7 +13,7 @@ import torch
 from torchvision import tv_tensors
 
 from ddp_utils.config import DigitsDetData
-from ddp_utils.data.builtin import decode
+from ddp_utils.data.images.builtin import decode
 from ddp_utils.data.segmentation.canvases import INK, scale
 
 PLACEMENT_TRIES = 20  # a digit that finds no free place after this many draws is left out

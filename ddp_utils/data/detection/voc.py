@@ -24,7 +24,7 @@ from torchvision.datasets import VOCDetection
 
 from ddp_utils.config import VOCDetData
 from ddp_utils.data.detection.boxes import Annotated, BoxFiles, check_xyxy, fail
-from ddp_utils.data.voc import open_voc
+from ddp_utils.data.images.voc import open_voc
 
 CORNERS = ("xmin", "ymin", "xmax", "ymax")
 

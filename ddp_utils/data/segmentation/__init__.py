@@ -45,7 +45,7 @@ def folder_source(cfg: SegmentationData, split: str, rt: Runtime):
 
 
 def shards_source(cfg: SegmentationData, split: str, rt: Runtime):
-    from ddp_utils.data.shards import samples
+    from ddp_utils.data.shards.reader import samples
 
     return samples(cfg, rt, split)
 

@@ -14,7 +14,7 @@ import torch
 from torch.nn import functional as F
 
 from ddp_utils.config import CanvasData, ConfigError
-from ddp_utils.data.builtin import decode
+from ddp_utils.data.images.builtin import decode
 
 INK = 64  # a digit's pixel counts from this grey level (of 255)
 

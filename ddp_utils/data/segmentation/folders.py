@@ -24,14 +24,14 @@ import torch
 from ddp_utils.config import VOC_CLASSES as VOC_OBJECTS
 from ddp_utils.config import ConfigError, SegmentationData
 from ddp_utils.data.cache import cache_path, shared_cache
-from ddp_utils.data.imagefolder import (
+from ddp_utils.data.images.imagefolder import (
     BadImageError,
     PathTable,
     decode,
     is_image,
     unreadable_reason,
 )
-from ddp_utils.data.voc import open_voc
+from ddp_utils.data.images.voc import open_voc
 from ddp_utils.dist import Runtime
 from ddp_utils.logs import log
 

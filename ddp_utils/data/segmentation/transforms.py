@@ -23,8 +23,8 @@ from torchvision import tv_tensors
 from torchvision.transforms.v2 import functional as TF
 
 from ddp_utils.config import SegmentationData
+from ddp_utils.data.images.transforms import INTERPOLATIONS, SeededTransform
 from ddp_utils.data.samplers import IGNORE_LABEL
-from ddp_utils.data.transforms import INTERPOLATIONS, SeededTransform
 
 Pair = tuple[torch.Tensor, torch.Tensor]
 

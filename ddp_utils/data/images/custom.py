@@ -21,7 +21,7 @@ from hydra.utils import instantiate
 from torch.utils.data import Dataset
 
 from ddp_utils.config import ConfigError, DataConfig, UserError
-from ddp_utils.data.imagefolder import BadImages, match_channels, pil_to_uint8, to_uint8
+from ddp_utils.data.images.imagefolder import BadImages, match_channels, pil_to_uint8, to_uint8
 
 
 def load_custom(cfg: DataConfig) -> tuple[Dataset, Dataset]:

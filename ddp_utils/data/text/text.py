@@ -14,7 +14,7 @@ import numpy as np
 from tqdm import tqdm
 
 from ddp_utils.config import ConfigError
-from ddp_utils.data.tokenizer import (
+from ddp_utils.data.text.tokenizer import (
     TOKENIZER_KINDS,
     ByteTokenizer,
     CharTokenizer,

@@ -18,8 +18,8 @@ import sysconfig
 from pathlib import Path
 
 from ddp_utils.config import ConfigError, PyStdlibData
-from ddp_utils.data.tokens import build, build_eval, offered
-from ddp_utils.data.tokens import resolve as resolve_tokens
+from ddp_utils.data.text.tokens import build, build_eval, offered
+from ddp_utils.data.text.tokens import resolve as resolve_tokens
 from ddp_utils.dist import Runtime, local_main_first
 from ddp_utils.logs import log
 
@@ -37,7 +37,7 @@ def stdlib_files() -> tuple[Path, list[Path]]:
 
 def prepare_pystdlib(cfg: PyStdlibData) -> Path:
     """Write the corpus' token files unless the folder already holds this source's."""
-    from ddp_utils.data.text import prepare
+    from ddp_utils.data.text.text import prepare
 
     out = cfg.folder()
     meta = out / "meta.json"

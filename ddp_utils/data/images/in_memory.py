@@ -1,5 +1,5 @@
 """The in-memory family (``data=digits | synthetic | mnist | fashion_mnist | cifar10``): each
-split decoded whole into uint8 tensors (``ddp_utils.data.builtin``), batches indexed on the
+split decoded whole into uint8 tensors (``ddp_utils.data.images.builtin``), batches indexed on the
 device (``data.loader=auto | tensor``) or through DataLoader workers (``torch``), augmentation
 on the device."""
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 from torch.utils.data import DataLoader, Sampler
 
 from ddp_utils.config import DataConfig
-from ddp_utils.data.builtin import ImageTensorDataset, load_split
 from ddp_utils.data.bundle import DataBundle, EvalData, image_bundle, image_eval
+from ddp_utils.data.images.builtin import ImageTensorDataset, load_split
 from ddp_utils.data.loaders import TensorLoader, worker_loader
 from ddp_utils.data.samplers import eval_sampler, training_sampler
 from ddp_utils.dist import Runtime, local_main_first

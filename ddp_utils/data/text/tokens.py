@@ -50,7 +50,7 @@ class TokenMeta:
 
     vocab_size: int
     dtype: str
-    tokenizer: dict[str, Any] | None = None  # a ``ddp_utils.data.tokenizer`` spec
+    tokenizer: dict[str, Any] | None = None  # a ``ddp_utils.data.text.tokenizer`` spec
     token_bytes: tuple[int, ...] | None = None  # UTF-8 bytes per id: bits per byte
 
 

@@ -6,7 +6,7 @@ training ``RandomResizedCrop`` + horizontal flip, evaluation ``Resize`` + ``Cent
 random draws of a sample are a function of (seed, epoch, index) alone: each sample runs its
 transform under its own RNG seed, so neither the number of workers, nor the world size, nor
 a mid-epoch resume changes what a sample looks like. Normalisation stays on the device
-(``ddp_utils.data.preprocess``).
+(``ddp_utils.data.images.preprocess``).
 """
 
 from __future__ import annotations

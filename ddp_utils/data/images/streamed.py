@@ -9,11 +9,11 @@ from torch.utils.data import Dataset
 
 from ddp_utils.config import ConfigError, CustomData, DataConfig, ImageFolderData
 from ddp_utils.data.bundle import DataBundle, EvalData, image_bundle, image_eval
-from ddp_utils.data.custom import CustomSource, load_custom
-from ddp_utils.data.imagefolder import ImageFolderSource, check_same_classes, load_index
+from ddp_utils.data.images.custom import CustomSource, load_custom
+from ddp_utils.data.images.imagefolder import ImageFolderSource, check_same_classes, load_index
+from ddp_utils.data.images.transforms import SeededTransform, eval_transform, train_transform
 from ddp_utils.data.loaders import eval_shard_loader, sharded_loaders
 from ddp_utils.data.registry import by_schema
-from ddp_utils.data.transforms import SeededTransform, eval_transform, train_transform
 from ddp_utils.dist import Runtime
 
 

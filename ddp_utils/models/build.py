@@ -1,0 +1,118 @@
+"""``build_model``: any ``_target_`` built with Hydra's ``instantiate``, sized from the data
+config; ``model.weights=PATH`` then loads a local state dict."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from torch import nn
+
+from ddp_utils.config import (
+    ConfigError,
+    DataConfig,
+    ModelConfig,
+    UserError,
+    channels_last_on,
+    own_keys,
+)
+from ddp_utils.instantiate import target_arguments as checked_arguments
+from ddp_utils.instantiate import why
+from ddp_utils.logs import log
+
+
+def target_arguments(
+    cfg: ModelConfig, data: DataConfig, num_outputs: int | None = None
+) -> dict[str, Any]:
+    """What the target is called with (also stored in checkpoints through the config)."""
+    offered = data.sizes()  # num_classes, in_channels, image_size (token data: vocab, block)
+    if num_outputs is not None:
+        offered["num_classes"] = num_outputs
+    given = getattr(cfg, "kwargs", {})  # model=custom's +model.NAME=VALUE
+    offered |= {k: getattr(cfg, k) for k in own_keys(type(cfg), "model") if k != "kwargs"}
+    return checked_arguments("model._target_", cfg._target_, offered, given)
+
+
+def build_model(cfg: ModelConfig, data: DataConfig, num_outputs: int | None = None) -> nn.Module:
+    """Instantiate ``model._target_`` for the data (``num_classes`` outputs, or the task's
+    ``num_outputs``), then load ``model.weights`` if given."""
+    args = target_arguments(cfg, data, num_outputs)
+    try:
+        model = instantiate({"_target_": cfg._target_, "_convert_": "all", **args})
+    except InstantiationException as e:
+        if isinstance(e.__cause__, UserError):
+            raise e.__cause__ from None
+        raise ConfigError(
+            f"model._target_={cfg._target_} rejected its arguments {sorted(args)} ({why(e)}). "
+            "Fix the +model.NAME=VALUE overrides to match its signature."
+        ) from None
+    if not isinstance(model, nn.Module):
+        raise ConfigError(
+            f"model._target_={cfg._target_} returned {type(model).__name__}, not a torch.nn.Module."
+        )
+    if cfg.weights:
+        load_weights(model, cfg.weights)
+    return model
+
+
+def memory_format_of(channels_last: bool | str) -> torch.memory_format:
+    """``trainer.channels_last`` resolved (``true`` / ``false``; a bool in checkpoints from
+    before ``auto``): NHWC activations (and weights), else the default layout."""
+    return torch.channels_last if channels_last_on(channels_last) else torch.contiguous_format
+
+
+def classifier_keys(model: nn.Module) -> set[str]:
+    """The state-dict keys of the last Linear layer: the classification head."""
+    linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    if not linears:
+        return set()
+    return {f"{linears[-1]}.{p}" for p, _ in model.get_submodule(linears[-1]).named_parameters()}
+
+
+def read_state_dict(path: str, key: str) -> dict[str, torch.Tensor]:
+    """A state dict saved with ``torch.save`` (bare, or a train.py checkpoint's ``model``),
+    read with ``weights_only=True``; ``key`` names the config key in the errors."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise ConfigError(f"{key}={path}: no such file.") from None
+    except Exception as e:
+        raise ConfigError(
+            f"{key}={path} does not load with weights_only=True ({why(e)}); give a "
+            "state dict saved with torch.save(model.state_dict(), path)."
+        ) from None
+    if isinstance(state, dict) and isinstance(state.get("model"), dict):
+        state = state["model"]
+    return state
+
+
+def load_weights(model: nn.Module, path: str) -> None:
+    """Start from a local state dict (a bare one, or a train.py checkpoint's ``model``); a head
+    sized for another class count is left re-initialised, and the log says so."""
+    state = read_state_dict(path, "model.weights")
+    own = model.state_dict()
+    misfit = {k for k, v in state.items() if k in own and own[k].shape != v.shape}
+    head = classifier_keys(model)
+    if misfit - head:
+        raise ConfigError(
+            f"model.weights={path} does not fit model._target_ (shapes differ at "
+            f"{sorted(misfit - head)[:4]}); give the weights of this architecture."
+        )
+    state = {k: v for k, v in state.items() if k not in misfit}
+    result = model.load_state_dict(state, strict=False)
+    missing = set(result.missing_keys) - misfit
+    if missing or result.unexpected_keys:
+        raise ConfigError(
+            f"model.weights={path} does not match the model: missing {sorted(missing)[:4]}, "
+            f"unexpected {sorted(result.unexpected_keys)[:4]}; give the weights of this "
+            "architecture."
+        )
+    log.info("model.weights=%s loaded", path)
+    if misfit:
+        log.info(
+            "model.weights: the classifier head (%s) has another class count there; it is "
+            "re-initialised for %d classes", ", ".join(sorted(misfit)),
+            model.get_submodule(next(iter(misfit)).rpartition(".")[0]).out_features,
+        )  # fmt: skip
