@@ -336,3 +336,14 @@ def test_activation_checkpointing_has_its_own_units_and_takes_fsdp_wrap_once_wit
                                   "trainer.fsdp.wrap=[Block]")).trainer  # fmt: skip
     assert old.activation_checkpointing_units == ["Block"]
     assert "use trainer.activation_checkpointing_units=['Block']" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("task, holds", [("segmentation", "masks"), ("detection", "boxes"),
+                                         ("language_model", "tokens")])  # fmt: skip
+def test_the_data_a_task_asks_for_is_every_option_that_holds_it(task, holds):
+    """Derived from what each data option ``holds``: the shard options are named too."""
+    with pytest.raises(ConfigError) as e:
+        to_schema(compose_train(f"task={task}"))
+    named = str(e.value).split("data=", 1)[1].split(" (this is")[0].split(" | ")
+    assert sorted(named) == [o for o in options("data") if option_schema("data", o).holds == holds]
+    assert any("shards" in o for o in named) or holds == "tokens"

@@ -253,7 +253,12 @@ def check_pairing(cfg: TrainConfig) -> None:
         return
     message = task.other_data or data.wrong_task
     assert message, f"{type(task).__name__} and {type(data).__name__} declare no message"
-    raise ConfigError(message.format(data=data.name))
+    raise ConfigError(message.format(data=data.name, options=" | ".join(holding(task.takes))))
+
+
+def holding(kind: str) -> list[str]:
+    """The data options whose schema ``holds`` ``kind`` (labels, masks, boxes, tokens)."""
+    return [option for option, schema in GROUPS["data"][1].items() if schema.holds == kind]
 
 
 def channels_last_on(value: bool | str) -> bool:

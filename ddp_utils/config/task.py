@@ -27,8 +27,9 @@ class TaskConfig:
     # VALUE}; NAME: null drops a default. Logged as val/NAME (scalars) and in eval.json.
     metrics: dict[str, Any] = field(default_factory=dict)
     # Declarations of the option, not keys: which data it takes (a data option's ``holds``;
-    # None: any), what to say to data it does not take ({data}: that option's name; empty:
-    # the data's own message), and whether its checkpoints generate text (generate.py).
+    # None: any), what to say to data it does not take ({data}: that option's name;
+    # {options}: the data options that hold what it takes; empty: the data's own message),
+    # and whether its checkpoints generate text (generate.py).
     takes: ClassVar[str | None] = "labels"
     other_data: ClassVar[str] = ""
     generates: ClassVar[bool] = False
@@ -71,8 +72,8 @@ class SegmentationTask(TaskConfig):
 
     takes: ClassVar[str | None] = "masks"
     other_data: ClassVar[str] = (
-        "task=segmentation needs image/mask data: data=segfolder | voc | digits_seg | "
-        "mnist_seg (this is data={data}); experiment=digits_segmentation sets all of it."
+        "task=segmentation needs image/mask data: data={options} (this is data={data}); "
+        "experiment=digits_segmentation sets all of it."
     )
 
     _target_: str = "ddp_utils.tasks.segmentation.Segmentation"
@@ -95,8 +96,8 @@ class DetectionTask(TaskConfig):
 
     takes: ClassVar[str | None] = "boxes"
     other_data: ClassVar[str] = (
-        "task=detection needs images with boxes: data=digits_det | detfolder | voc_det (this is "
-        "data={data}); experiment=digits_detection sets all of it."
+        "task=detection needs images with boxes: data={options} (this is data={data}); "
+        "experiment=digits_detection sets all of it."
     )
 
     _target_: str = "ddp_utils.tasks.detection.Detection"
@@ -114,8 +115,8 @@ class LanguageModelTask(TaskConfig):
 
     takes: ClassVar[str | None] = "tokens"
     other_data: ClassVar[str] = (
-        "task=language_model needs token data: data=tokens data.root=DIR or data=pystdlib "
-        "(this is data={data}); experiment=lm_char sets all of it."
+        "task=language_model needs token data: data={options} (this is data={data}); "
+        "experiment=lm_char sets all of it."
     )
     generates: ClassVar[bool] = True
 
