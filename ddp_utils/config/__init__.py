@@ -5,34 +5,34 @@
 maps an option to its schema; ``errors`` holds UserError and ConfigError.
 """
 
-from ddp_utils.config.data import (
-    VOC_CLASSES,
-    CanvasData,
-    CustomData,
-    DataConfig,
+from ddp_utils.config.data.base import VOC_CLASSES, DataConfig, skips_bad_images
+from ddp_utils.config.data.detection import (
     DetectionData,
     DetFilesData,
     DetFolderData,
     DetShardsData,
-    DigitsData,
     DigitsDetData,
-    DigitsSegData,
+    VOCDetData,
+)
+from ddp_utils.config.data.images import (
+    CustomData,
+    DigitsData,
     ImageFolderData,
+    StreamedData,
+    SyntheticData,
+    TorchvisionData,
+)
+from ddp_utils.config.data.segmentation import (
+    CanvasData,
+    DigitsSegData,
     MnistSegData,
-    PyStdlibData,
     SegFolderData,
     SegmentationData,
     SegShardsData,
-    ShardsData,
-    ShardStore,
-    StreamedData,
-    SyntheticData,
-    TokenData,
-    TorchvisionData,
     VOCData,
-    VOCDetData,
-    skips_bad_images,
 )
+from ddp_utils.config.data.shards import ShardsData, ShardStore
+from ddp_utils.config.data.text import PyStdlibData, TokenData
 from ddp_utils.config.errors import ConfigError, UserError, whole_sentences
 from ddp_utils.config.model import (
     ConvNetModel,

@@ -15,7 +15,7 @@ from hydra.utils import get_object
 from ddp_utils.config.errors import ConfigError, check_positive, needs_target
 
 if TYPE_CHECKING:
-    from ddp_utils.config.data import DataConfig
+    from ddp_utils.config.data.base import DataConfig
 
 DEFAULT_MODEL = "ddp_utils.models.nets.ConvNet"
 

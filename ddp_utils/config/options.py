@@ -7,7 +7,8 @@ from __future__ import annotations
 import textwrap
 from dataclasses import fields
 
-from ddp_utils.config.data import DATA_OPTIONS, DataConfig
+from ddp_utils.config.data import DATA_OPTIONS
+from ddp_utils.config.data.base import DataConfig
 from ddp_utils.config.model import MODEL_OPTIONS, ModelConfig
 from ddp_utils.config.optim import OPTIM_OPTIONS, SCHED_OPTIONS, OptimConfig, SchedConfig
 from ddp_utils.config.task import TASK_OPTIONS, TaskConfig

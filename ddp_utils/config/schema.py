@@ -18,7 +18,8 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from ddp_utils.config.data import DataConfig, DigitsData
+from ddp_utils.config.data.base import DataConfig
+from ddp_utils.config.data.images import DigitsData
 from ddp_utils.config.errors import ConfigError, check_choice, check_fraction, check_positive
 from ddp_utils.config.logger import LoggerOptions, logger_names
 from ddp_utils.config.model import ConvNetModel, ModelConfig

@@ -27,7 +27,8 @@ from torch import nn
 from torch.utils.data import Sampler
 
 from ddp_utils.config import ConfigError, TokenData
-from ddp_utils.config.data import TOKEN_DTYPES, is_url
+from ddp_utils.config.data.base import is_url
+from ddp_utils.config.data.text import TOKEN_DTYPES
 from ddp_utils.data.bundle import DataBundle, EvalData, Unit
 from ddp_utils.data.samplers import (
     IGNORE_LABEL,
