@@ -17,7 +17,7 @@ import traceback
 from pathlib import Path
 
 import torch
-from conftest import free_port, rank_env
+from helpers.launch import free_port, rank_env
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -13,7 +13,9 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, params, run_ranks
+from helpers.launch import run_ranks
+from helpers.paths import ROOT
+from helpers.runs import params
 from imagefolders import folder_args, write_digits_folder
 from lm_data import write_token_folder
 

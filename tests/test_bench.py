@@ -12,7 +12,8 @@ from unittest import mock
 
 import pytest
 import torch
-from conftest import ROOT, run_script
+from helpers.launch import run_script
+from helpers.paths import ROOT
 
 sys.path.insert(0, str(ROOT / "bench"))
 import profile_summary  # noqa: E402 - bench/ is a folder of scripts, not a package

@@ -15,7 +15,8 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import compose_config, free_port
+from helpers.launch import free_port
+from helpers.runs import compose_config
 
 from ddp_utils.config import TrainConfig, TrainerConfig
 from ddp_utils.data import resolve_data

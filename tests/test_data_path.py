@@ -7,12 +7,13 @@ import struct
 
 import pytest
 import torch
-from conftest import read_metrics, run_ranks
+from helpers.launch import run_ranks
+from helpers.runs import read_metrics
 from torch.utils.data import DistributedSampler
 
 from ddp_utils.config import TorchvisionData
 from ddp_utils.data import IGNORE_LABEL, load_split
-from ddp_utils.data import builtin as data_mod
+from ddp_utils.data.images import builtin as data_mod
 from ddp_utils.data.cache import cache_path
 from ddp_utils.data.images.builtin import ImageTensorDataset
 from ddp_utils.data.loaders import TensorLoader

@@ -9,7 +9,7 @@ from unittest import mock
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT
+from helpers.paths import ROOT
 from hydra import compose, initialize_config_dir
 from imagefolders import write_digits_folder
 from PIL import Image

@@ -10,14 +10,8 @@ import json
 
 import pytest
 from callbacks import fault
-from conftest import (
-    assert_same_params,
-    eval_at_world_sizes,
-    params,
-    read_metrics,
-    run_ranks,
-    run_script,
-)
+from helpers.launch import run_ranks, run_script
+from helpers.runs import assert_same_params, eval_at_world_sizes, params, read_metrics
 
 pytest.importorskip(
     "faster_coco_eval", reason="mAP needs faster-coco-eval (make install: the [det] extra)"

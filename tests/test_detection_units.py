@@ -12,7 +12,7 @@ pytest.importorskip(
     "faster_coco_eval", reason="mAP needs faster-coco-eval (make install: the [det] extra)"
 )
 
-from conftest import in_gloo_group  # noqa: E402
+from helpers.launch import in_gloo_group  # noqa: E402
 
 from ddp_utils.config import DigitsDetData  # noqa: E402
 from ddp_utils.data.detection.canvases import DetCanvasSource, ink_box  # noqa: E402

@@ -9,8 +9,9 @@ import shutil
 
 import pytest
 import yaml
-from conftest import read_metrics, run_forked, run_ranks
 from detfolders import write_coco_folder
+from helpers.launch import run_forked, run_ranks
+from helpers.runs import read_metrics
 
 pytest.importorskip(
     "faster_coco_eval", reason="mAP needs faster-coco-eval (make install: the [det] extra)"

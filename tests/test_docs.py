@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, child_env
+from helpers.launch import child_env
+from helpers.paths import ROOT
 
 DOCS = ROOT / "docs"
 EXTENSION_PAGES = sorted((DOCS / "extend").glob("*.md"))

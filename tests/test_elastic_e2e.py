@@ -17,7 +17,9 @@ import uuid
 from pathlib import Path
 
 from callbacks import gated
-from conftest import ROOT, child_env, command, free_port, params, read_metrics, run_ranks
+from helpers.launch import child_env, command, free_port, run_ranks
+from helpers.paths import ROOT
+from helpers.runs import params, read_metrics
 
 # 1,437 training digits, 120 a step: 11 steps an epoch at either world size (60 a process at
 # 2; 2 accumulation steps of 60 at 1). 12 epochs: 132 steps. The MLP has no BatchNorm.

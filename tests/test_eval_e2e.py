@@ -5,13 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import (
-    read_metrics,
-    run_forked,
-    run_ranks,
-    run_script,
-    write_malicious_checkpoint,
-)
+from helpers.faults import write_malicious_checkpoint
+from helpers.launch import run_forked, run_ranks, run_script
+from helpers.runs import read_metrics
 
 EVAL_KEYS = {
     "accuracy", "top5", "f1_macro", "loss", "num_samples", "per_class_accuracy",

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import in_gloo_group
+from helpers.launch import in_gloo_group
 from torchmetrics import MaxMetric, MeanMetric, MetricCollection
 from torchmetrics.classification import MulticlassAccuracy, MulticlassAUROC
 from torchmetrics.text import Perplexity

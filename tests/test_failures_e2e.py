@@ -14,15 +14,9 @@ import time
 import pytest
 import torch
 from callbacks import slow
-from conftest import (
-    ROOT,
-    child_env,
-    read_metrics,
-    run_forked,
-    run_script,
-    start_script,
-    wait_for_step_checkpoint,
-)
+from helpers.launch import child_env, run_forked, run_script, start_script
+from helpers.paths import ROOT
+from helpers.runs import read_metrics, wait_for_step_checkpoint
 
 from ddp_utils.checkpoint.finite import DIVERGED_EXIT
 from ddp_utils.config import options_help
@@ -191,7 +185,7 @@ def test_a_model_whose_head_does_not_fit_the_data_stops_before_training(tmp_path
     assert "has shape (2, 3), but data.num_classes=10 needs (2, 10)" in lines[0]
     assert "n_out=10, given {'n_out': 3}" in lines[0] and not (tmp_path / "r").exists()
     # A checkpoint of that model with its default 10 outputs, evaluated on 3 classes.
-    from conftest import compose_config
+    from helpers.runs import compose_config
 
     from ddp_utils.config import as_plain_dict
     from ddp_utils.models import build_model

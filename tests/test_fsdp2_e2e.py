@@ -26,21 +26,23 @@ import numpy as np
 import pytest
 import torch
 from callbacks import dump_state, fault, fill_disk
-from conftest import (
-    ROOT,
-    assert_same_params,
+from helpers.faults import tmpfs
+from helpers.launch import (
     child_env,
-    eval_at_world_sizes,
     free_port,
     our_error_lines,
-    params,
     rank_env,
-    read_metrics,
     run_forked,
     run_ranks,
     run_script,
     start_script,
-    tmpfs,
+)
+from helpers.paths import ROOT
+from helpers.runs import (
+    assert_same_params,
+    eval_at_world_sizes,
+    params,
+    read_metrics,
     wait_for_step_checkpoint,
     whole_checkpoint,
 )

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 from callbacks import fill_disk
-from conftest import our_error_lines, run_script, tmpfs
+from helpers.faults import tmpfs
+from helpers.launch import our_error_lines, run_script
 from lm_data import write_token_folder
 
 from ddp_utils.lifecycle.disk import WRITE_FAILED_EXIT

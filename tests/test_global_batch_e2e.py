@@ -6,7 +6,8 @@ ddp and fsdp2 (the GPT's case: tests/test_fsdp2_e2e.py)."""
 from __future__ import annotations
 
 import pytest
-from conftest import params, read_metrics, run_ranks
+from helpers.launch import run_ranks
+from helpers.runs import params, read_metrics
 
 # 1,437 training digits, 120 a step: 11 steps an epoch at any world size (60 a process at
 # world size 2, 40 at 3). The MLP has no BatchNorm, whose statistics would follow the

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import params, read_metrics, run_script, whole_checkpoint
+from helpers.launch import run_script
+from helpers.runs import params, read_metrics, whole_checkpoint
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = pytest.mark.skipif(

@@ -263,7 +263,7 @@ def _scale_after_an_overflow_on_rank_one(rank: int, world: int, strategy: str) -
 
 
 def test_fsdp2s_scaler_skips_a_step_on_every_rank_when_one_rank_overflowed(tmp_path):
-    from conftest import in_gloo_group
+    from helpers.launch import in_gloo_group
 
     # The sharded scaler backs off on rank 0 too; a plain GradScaler would not have (rank 0
     # would step and rank 1 skip: the shards would drift apart).

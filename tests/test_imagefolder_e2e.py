@@ -9,16 +9,9 @@ import shutil
 import pytest
 import torch
 from callbacks import both, dump_validation, fault, recorder
-from conftest import (
-    ROOT,
-    assert_same_params,
-    params,
-    read_metrics,
-    recorded_samples,
-    run_forked,
-    run_ranks,
-    run_script,
-)
+from helpers.launch import run_forked, run_ranks, run_script
+from helpers.paths import ROOT
+from helpers.runs import assert_same_params, params, read_metrics, recorded_samples
 from imagefolders import folder_args, write_digits_folder
 
 # 1,438 training images at batch 50 on 2 ranks: 14 whole steps an epoch (38 left out).

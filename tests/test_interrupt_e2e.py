@@ -13,7 +13,8 @@ import threading
 import time
 
 import pytest
-from conftest import ROOT, child_env
+from helpers.launch import child_env
+from helpers.paths import ROOT
 
 DDP_RUN = ROOT / ".venv" / "bin" / "ddp-run"
 # (line to wait for, seconds after it): from the first line to the training loop

@@ -8,15 +8,8 @@ import time
 
 import pytest
 from callbacks import fault
-from conftest import (
-    assert_same_params,
-    eval_at_world_sizes,
-    params,
-    read_metrics,
-    run_forked,
-    run_ranks,
-    run_script,
-)
+from helpers.launch import run_forked, run_ranks, run_script
+from helpers.runs import assert_same_params, eval_at_world_sizes, params, read_metrics
 from lm_data import write_token_folder
 
 VAL_WINDOWS = 127  # 16-token windows: a prime, which no world size divides

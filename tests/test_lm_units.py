@@ -10,7 +10,8 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
-from conftest import compose_config, run_forked
+from helpers.launch import run_forked
+from helpers.runs import compose_config
 from lm_data import split_into_shards, write_token_folder
 
 from ddp_utils.config import ConfigError, PyStdlibData, TokenData

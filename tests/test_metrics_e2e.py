@@ -7,7 +7,9 @@ import json
 
 import pytest
 import torch
-from conftest import ROOT, documentation, eval_at_world_sizes, read_metrics, run_forked, run_ranks
+from helpers.launch import run_forked, run_ranks
+from helpers.paths import ROOT, documentation
+from helpers.runs import eval_at_world_sizes, read_metrics
 
 AUROC = ("+task.metrics.auroc._target_=torchmetrics.classification.MulticlassAUROC",
          "+task.metrics.auroc.num_classes=${data.num_classes}")  # fmt: skip

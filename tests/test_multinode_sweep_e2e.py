@@ -9,7 +9,9 @@ import subprocess
 import uuid
 
 import pytest
-from conftest import ROOT, child_env, command, free_port, read_metrics, run_ranks, run_script
+from helpers.launch import child_env, command, free_port, run_ranks, run_script
+from helpers.paths import ROOT
+from helpers.runs import read_metrics
 
 TRAIN = ("trainer.epochs=2", "data.batch_size=50")
 

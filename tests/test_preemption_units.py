@@ -9,7 +9,7 @@ import time
 from datetime import timedelta
 
 import pytest
-from conftest import in_gloo_group
+from helpers.launch import in_gloo_group
 
 
 def _stop_step(
@@ -92,7 +92,7 @@ def test_a_stop_signal_the_main_thread_cannot_take_still_ends_the_process(where,
     import subprocess
     import sys
 
-    from conftest import ROOT
+    from helpers.paths import ROOT
 
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-c", STUCK, where], cwd=ROOT, capture_output=True,

@@ -9,7 +9,9 @@ import json
 import pytest
 import torch
 import torchvision
-from conftest import MNIST_ROOT, ROOT, needs_mnist, read_metrics, run_ranks, run_script
+from helpers.launch import run_ranks, run_script
+from helpers.paths import MNIST_ROOT, ROOT, needs_mnist
+from helpers.runs import read_metrics
 
 SYNTHETIC_RGB = ("data=synthetic", "data.in_channels=3", "data.mean=[0.5,0.5,0.5]",
                  "data.std=[0.29,0.29,0.29]", "data.num_classes=5")  # fmt: skip

@@ -10,7 +10,8 @@ from unittest import mock
 import pytest
 import torch
 import torchvision
-from conftest import ROOT, compose_config
+from helpers.paths import ROOT
+from helpers.runs import compose_config
 from torch.nn import functional as F
 
 from ddp_utils.config import ConfigError, ConvNetModel, DataConfig, ModelConfig, OptimConfig
@@ -164,7 +165,7 @@ def test_precision_auto_picks_bf16_only_where_measured_faster():
 
 
 def test_channels_last_auto_is_on_for_cuda_and_off_on_a_cpu():
-    from conftest import compose_config
+    from helpers.runs import compose_config
 
     from ddp_utils.dist import Runtime
     from ddp_utils.train.state import resolve_auto

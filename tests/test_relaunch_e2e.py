@@ -13,7 +13,9 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import ROOT, child_env, read_metrics
+from helpers.launch import child_env
+from helpers.paths import ROOT
+from helpers.runs import read_metrics
 
 # 3 epochs of 71 steps at 2 processes (143 at one): time to stop it mid-run.
 RUN = ("trainer.epochs=3", "data.batch_size=10", "trainer.ckpt_every_steps=10", "logger=none")

@@ -13,20 +13,22 @@ import time
 import pytest
 import torch
 from callbacks import both, fault, recorder, slow
-from conftest import (
-    ROOT,
-    assert_same_params,
+from helpers.faults import write_malicious_checkpoint
+from helpers.launch import (
     child_env,
     kill_agent_alone,
-    params,
-    read_metrics,
-    recorded_samples,
     run_forked,
     run_ranks,
     run_script,
     start_script,
+)
+from helpers.paths import ROOT
+from helpers.runs import (
+    assert_same_params,
+    params,
+    read_metrics,
+    recorded_samples,
     wait_for_step_checkpoint,
-    write_malicious_checkpoint,
 )
 
 from ddp_utils.lifecycle.preemption import PREEMPTED_EXIT

@@ -8,7 +8,7 @@ from ddp_utils.run.folder import Identity, _default_run_dir, run_identity
 
 
 def test_a_new_run_beside_an_unfinished_one_of_nearly_the_same_config_names_it(tmp_path):
-    from conftest import compose_config
+    from helpers.runs import compose_config
 
     mine = run_identity(compose_config("optim.lr=0.05"))
     theirs = run_identity(compose_config())
@@ -29,7 +29,7 @@ def test_a_new_run_beside_an_unfinished_one_of_nearly_the_same_config_names_it(t
 
 
 def test_the_identity_ignores_where_the_run_lives():
-    from conftest import compose_config
+    from helpers.runs import compose_config
 
     a, b = run_identity(compose_config("run_dir=/a")), run_identity(compose_config("run_dir=/b"))
     assert a == b and isinstance(a, Identity) and a.settings["optim.lr"] == 0.1

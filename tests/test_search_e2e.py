@@ -10,7 +10,8 @@ import time
 
 import pytest
 from callbacks import slow
-from conftest import kill_agent_alone, read_metrics, run_forked, run_script, start_script
+from helpers.launch import kill_agent_alone, run_forked, run_script, start_script
+from helpers.runs import read_metrics
 
 optuna = pytest.importorskip("optuna")
 

@@ -10,15 +10,8 @@ import json
 import pytest
 import torch
 from callbacks import fault, recorder
-from conftest import (
-    assert_same_params,
-    params,
-    read_metrics,
-    recorded_samples,
-    run_forked,
-    run_ranks,
-    run_script,
-)
+from helpers.launch import run_forked, run_ranks, run_script
+from helpers.runs import assert_same_params, params, read_metrics, recorded_samples
 from segfolders import VAL_SIZES, seg_args, write_seg_folder
 
 # The embedded canvases with random resized crops, small and fast: 45 steps an epoch at 2

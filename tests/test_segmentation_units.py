@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import MNIST_ROOT, ROOT, needs_mnist
+from helpers.paths import MNIST_ROOT, ROOT, needs_mnist
 from hydra import compose, initialize_config_dir
 from PIL import Image
 from segfolders import VAL_SIZES, write_seg_folder, write_voc

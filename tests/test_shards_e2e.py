@@ -17,15 +17,9 @@ import time
 
 import pytest
 from callbacks import fault
-from conftest import (
-    ROOT,
-    assert_same_params,
-    our_error_lines,
-    params,
-    run_forked,
-    run_ranks,
-    run_script,
-)
+from helpers.launch import our_error_lines, run_forked, run_ranks, run_script
+from helpers.paths import ROOT
+from helpers.runs import assert_same_params, params
 from seaweed import KEY, Seaweed, weed_binary
 
 # 1,438 training digits at batch 50 on 2 ranks: 14 whole steps an epoch.

@@ -292,7 +292,7 @@ def test_the_writers_printed_command_trains(tmp_path):
     import subprocess
     import sys
 
-    from conftest import ROOT
+    from helpers.paths import ROOT
 
     out = tmp_path / "shards"
     writer = subprocess.run([sys.executable, "-m", "ddp_utils.shards", "write", f"--out={out}",

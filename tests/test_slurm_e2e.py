@@ -16,14 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import (
-    ROOT,
-    assert_same_params,
-    child_env,
-    params,
-    read_metrics,
-    run_script,
-)
+from helpers.launch import child_env, run_script
+from helpers.paths import ROOT
+from helpers.runs import assert_same_params, params, read_metrics
 
 SBIN = os.pathsep.join(["/usr/sbin", "/sbin", os.environ.get("PATH", "")])
 CLUSTER = ROOT / "examples" / "slurm" / "local_cluster.sh"

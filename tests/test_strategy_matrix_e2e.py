@@ -15,7 +15,8 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, child_env
+from helpers.launch import child_env
+from helpers.paths import ROOT
 from lm_data import write_token_folder
 
 pytest.importorskip(

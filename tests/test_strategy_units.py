@@ -9,7 +9,7 @@ import re
 
 import pytest
 import torch
-from conftest import compose_config
+from helpers.runs import compose_config
 from torch import nn
 
 from ddp_utils.config import ConfigError, TrainerConfig

@@ -8,7 +8,9 @@ import json
 
 import pytest
 import torch
-from conftest import ROOT, read_metrics, run_ranks
+from helpers.launch import run_ranks
+from helpers.paths import ROOT
+from helpers.runs import read_metrics
 
 from ddp_utils.data.loaders import collate
 from ddp_utils.data.samplers import BAD_LABEL, IGNORE_LABEL, SENTINEL

@@ -15,8 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, read_metrics, run_forked, run_ranks
 from detfolders import write_coco_folder
+from helpers.launch import run_forked, run_ranks
+from helpers.paths import ROOT
+from helpers.runs import read_metrics
 from segfolders import VAL_SIZES, seg_args, write_seg_folder
 
 from ddp_utils.config import DetFolderData, DetShardsData, SegFolderData, SegShardsData

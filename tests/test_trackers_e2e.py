@@ -11,7 +11,8 @@ import time
 
 import pytest
 from callbacks import fault
-from conftest import our_error_lines, read_metrics, run_ranks, run_script, start_script
+from helpers.launch import our_error_lines, run_ranks, run_script, start_script
+from helpers.runs import read_metrics
 
 from ddp_utils.lifecycle.preemption import PREEMPTED_EXIT
 

@@ -4,15 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import (
-    MNIST_ROOT,
-    compose_config,
-    needs_mnist,
-    read_metrics,
-    run_forked,
-    run_ranks,
-    run_script,
-)
+from helpers.launch import run_forked, run_ranks, run_script
+from helpers.paths import MNIST_ROOT, needs_mnist
+from helpers.runs import compose_config, read_metrics
 
 from ddp_utils.config import DataConfig
 from ddp_utils.models import build_model

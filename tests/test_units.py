@@ -11,7 +11,8 @@ from unittest import mock
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, compose_config
+from helpers.paths import ROOT
+from helpers.runs import compose_config
 from torch.utils.data import DistributedSampler
 
 from ddp_utils.config import (
@@ -541,7 +542,7 @@ def test_a_stop_signal_outside_the_loop_names_what_happened(steps, code, says, c
 def test_leave_joins_threads_runs_atexit_handlers_and_exits_0(tmp_path):
     """A finished script's exit skips the module teardown, not what the teardown would run:
     a non-daemon thread still working, an atexit handler, and logs and prints still buffered."""
-    from conftest import ROOT
+    from helpers.paths import ROOT
 
     script = f"""
 import atexit, logging, pathlib, sys, threading, time

@@ -10,7 +10,9 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, child_env, free_port, read_metrics, run_script
+from helpers.launch import child_env, free_port, run_script
+from helpers.paths import ROOT
+from helpers.runs import read_metrics
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

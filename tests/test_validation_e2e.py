@@ -7,7 +7,8 @@ import json
 
 import pytest
 from callbacks import dump_validation
-from conftest import read_metrics, run_forked, run_ranks
+from helpers.launch import run_forked, run_ranks
+from helpers.runs import read_metrics
 
 # 1,438 digits at batch 100 on 2 ranks: 8 steps an epoch. The EMA decay gives an average that
 # differs from the weights (and holds BatchNorm statistics of its own: use_buffers).

@@ -10,8 +10,9 @@ import shutil
 
 import pytest
 import torch
-from conftest import read_metrics, run_forked, run_ranks
 from detfolders import CLASSES, write_coco_folder, write_voc_folder
+from helpers.launch import run_forked, run_ranks
+from helpers.runs import read_metrics
 
 from ddp_utils.config import ConfigError, DetFolderData, VOCDetData
 from ddp_utils.data.detection.coco import CocoSource
