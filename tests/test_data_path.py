@@ -13,8 +13,8 @@ from torch.utils.data import DistributedSampler
 
 from ddp_utils.config import TorchvisionData
 from ddp_utils.data import IGNORE_LABEL, load_split
-from ddp_utils.data.images import builtin as data_mod
 from ddp_utils.data.cache import cache_path
+from ddp_utils.data.images import builtin as data_mod
 from ddp_utils.data.images.builtin import ImageTensorDataset
 from ddp_utils.data.loaders import TensorLoader
 from ddp_utils.data.samplers import ResumableDistributedSampler
