@@ -321,7 +321,7 @@ def shutdown(together: bool = True, wait_s: float = LEAVE_WAIT_S) -> None:
     """Leave the process group so that no rank aborts at exit. A rank whose peer closed its
     gloo connections while it was still tearing its own down, or whose group objects were left
     to the interpreter's finalization, was seen to abort ("terminate called without an active
-    exception", about one process in 80 under fsdp2): every rank destroys its group, then waits
+    exception", now and then under fsdp2): every rank destroys its group, then waits
     (through the store, which outlives the group) until all have, and the objects that still
     hold a group are collected while the interpreter is whole. Not ``together``: a peer is
     gone, and nobody waits for it; ``wait_s``: how long to wait for the others at most."""

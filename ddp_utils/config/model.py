@@ -52,7 +52,7 @@ class ConvNetModel(ModelConfig):
 
     channels: list[int] = field(default_factory=lambda: [16, 32])  # one conv block each
     batch_norm: bool = True  # off gives a model whose DDP math is BN-free
-    bf16_on_cpu: ClassVar[bool] = True  # AMX: 24.9 vs 35.9 ms a step at 28 px (docs/speed.md)
+    bf16_on_cpu: ClassVar[bool] = True  # AMX computes its convolutions faster in bf16
 
     def check(self) -> None:
         if not self.channels or any(c < 1 for c in self.channels):
@@ -169,8 +169,8 @@ class GPTModel(ModelConfig):
     n_embd: int = 128
     dropout: float = 0.0
     bias: bool = False  # in the Linear and LayerNorm layers
-    # AMX: 17.6 vs 27.4 ms a step of experiment=lm_char on one thread, with the attention kept
-    # in fp32 (ddp_utils.models.gpt.attention; docs/measurements.md)
+    # AMX computes its matmuls faster in bf16, once the attention is kept in fp32
+    # (ddp_utils.models.gpt.attention)
     bf16_on_cpu: ClassVar[bool] = True
 
     def check(self) -> None:

@@ -44,8 +44,8 @@ class OptimConfig:
 
 @dataclass
 class SGDOptim(OptimConfig):
-    """optim=sgd: SGD with momentum, fused (one kernel per parameter, on the CPU too: a
-    resnet18 step in 6.5 ms against 17.5 with foreach here)."""
+    """optim=sgd: SGD with momentum, fused (one kernel per parameter, on the CPU too, where it
+    is faster than the foreach implementation)."""
 
     momentum: float = 0.9
     nesterov: bool = False
@@ -64,7 +64,7 @@ class SGDOptim(OptimConfig):
 
 @dataclass
 class AdamWOptim(OptimConfig):
-    """optim=adamw: fused AdamW (11.7 ms a resnet18 step against 37.4 with foreach here)."""
+    """optim=adamw: fused AdamW (one kernel per parameter; faster than foreach on a CPU too)."""
 
     _target_: str = "torch.optim.AdamW"
     name: str = "adamw"

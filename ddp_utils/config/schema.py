@@ -123,8 +123,8 @@ class TrainerConfig:
     # small all-reduce this often instead of every step (docs/resume.md)
     stop_poll_s: float = 0.5
     log_every_steps: int = 50
-    # NHWC activations: auto = on for CUDA (tensor-core convolutions), off on a CPU (measured
-    # slower there) | true | false
+    # NHWC activations: auto = on for CUDA (tensor-core convolutions), off on a CPU (its
+    # convolutions are slower in NHWC) | true | false
     channels_last: str = "auto"
     # How the model is distributed (ddp_utils.strategy): ddp | fsdp2 | pkg.module.MyStrategy
     strategy: str = "ddp"

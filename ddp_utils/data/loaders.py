@@ -128,8 +128,8 @@ def close_loader(loader: TensorLoader | DataLoader) -> None:
     """Stop a DataLoader's persistent workers now.
 
     Left to the interpreter's exit, every loader's workers are stopped one after the other
-    during teardown, which measured 0.6 s longer per run than this (bench/peer.py); the
-    loader starts new workers if it is iterated again.
+    during teardown, each waiting out its own timeout; the loader starts new workers if it is
+    iterated again.
     """
     # DataLoader keeps an iterator only for persistent workers; a TensorLoader has none.
     iterator = getattr(loader, "_iterator", None)

@@ -66,8 +66,8 @@ def stop_for_lost_peer(why: str, launcher_acted: bool = False) -> NoReturn:
 
     ``launcher_acted``: torchrun's stop signal already came, so it has its first failure and
     waits only for this rank, which then skips the interpreter's teardown: with a peer gone,
-    the process group's and the loader workers' destructors wait on what can no longer finish
-    (measured: 2 s of the job's end); the logs are flushed first, and nothing of the run is
+    the process group's and the loader workers' destructors wait on what can no longer finish;
+    the logs are flushed first, and nothing of the run is
     written at exit (checkpoints are whole files, renamed into place). Before that signal,
     the failing rank may still be on its way out (its own teardown): this one waits, and
     leaves the usual way, so that the failing rank stays torchrun's first failure."""

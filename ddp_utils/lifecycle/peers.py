@@ -29,9 +29,10 @@ from ddp_utils.dist import (
 def process_group_left(leave: bool = True) -> Iterator[None]:
     """Run the body, then leave the process group (``shutdown``) when ``leave``. After a
     collective that failed for a lost peer, the survivors leave at once: waiting
-    ``LEAVE_WAIT_S`` for a rank that will never come held each survivor 30 s, and an elastic
-    agent re-formed the smaller group that much later. An error may say how long to wait for
-    the others at most (``leave_wait_s``: a stop signal's, ddp_utils.lifecycle.preemption)."""
+    ``LEAVE_WAIT_S`` for a rank that will never come would hold each survivor that long, and
+    an elastic agent would re-form the smaller group that much later. An error may say how
+    long to wait for the others at most (``leave_wait_s``: a stop signal's,
+    ddp_utils.lifecycle.preemption)."""
     try:
         yield
     except BaseException as e:

@@ -20,7 +20,7 @@ INIT_STD = 0.02
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float) -> torch.Tensor:
     """Causal ``scaled_dot_product_attention``. On a CPU under bf16 autocast it runs in fp32:
     torch's CPU flash-attention backward is several times slower in bf16 than in fp32, casts
-    included, enough to make a whole bf16 step slower than fp32's (docs/measurements.md)."""
+    included, enough to make a whole bf16 step slower than fp32's."""
     if q.device.type == "cpu" and q.dtype != torch.float32:
         with torch.autocast("cpu", enabled=False):
             y = F.scaled_dot_product_attention(

@@ -67,10 +67,10 @@ class SegConvNet(nn.Module):
     sums), a 1x1 convolution scores every pixel at the first stage's resolution, and the
     scores are upsampled to the input's size.
 
-    Why this shape (measured, docs/segmentation.md): a class needs the whole digit in view.
-    The defaults' receptive field is 283 pixels (91 without the context blocks), where the
-    former three stages from full resolution saw 23, so a 28-pixel MNIST digit's class flipped
-    along its strokes; the stride-2 stem also makes it ~6x faster on a CPU.
+    Why this shape (docs/segmentation.md): a class needs the whole digit in view. The
+    defaults' receptive field is far wider than a 28-pixel MNIST digit (three stages from full
+    resolution saw less than one, so the class flipped along its strokes); the stride-2 stem
+    also makes every later stage a quarter of the work.
     Inputs whose sides do not divide by 2**stages are fine: each upsampling goes to the
     skip's own size."""
 

@@ -5,8 +5,7 @@ bucket all-reduced in half the bytes; powersgd: a low-rank approximation with er
 whose per-rank state is checkpointed per parameter so that a resume stays exact).
 
 A single process trains its module directly: DDP at world size 1 changes no number (its
-all-reduce over one rank is the identity) and only adds its reducer's hooks to every backward
-(0.2-1 ms a step of experiment=lm_char's GPT, measured here)."""
+all-reduce over one rank is the identity) and only adds its reducer's hooks to every backward."""
 
 from __future__ import annotations
 
@@ -55,7 +54,7 @@ class DDPStrategy(Strategy):
         if opts.comm_hook == "powersgd" and self.rt.backend == "gloo":
             # torch's PowerSGD hook issues its factors' all-reduces from future callbacks,
             # which gloo's worker threads run in no fixed order: with two buckets the ranks'
-            # collectives cross and gloo aborts (measured). All gradients in one bucket.
+            # collectives cross and gloo aborts. All gradients in one bucket.
             mib = sum(p.numel() * p.element_size() for p in raw_model.parameters()) / 2**20
             options["bucket_cap_mb"] = max(options["bucket_cap_mb"], math.ceil(mib) + 1)
         model = DDP(raw_model, **options)

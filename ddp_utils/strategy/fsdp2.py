@@ -90,7 +90,7 @@ def fixed_mmap_threshold(nbytes: int = 1 << 20) -> None:
     freed. glibc otherwise raises its mmap threshold after each large free, so the unit-sized
     buffers FSDP2 all-gathers and frees every forward and backward end up in the heap, which
     is not returned: a sharded rank then holds as much resident memory as DDP's whole replica
-    (make bench-memory, docs/measurements.md)."""
+    (make bench-memory shows it)."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:  # not glibc: nothing to set

@@ -100,8 +100,8 @@ class Detection(Task):
         return batch
 
     def metrics(self) -> dict[str, Any]:
-        # faster-coco-eval: the same numbers as pycocotools, 6.8x faster here (359 images x 20
-        # detections: 0.28 s against 1.9 s; docs/detection.md).
+        # faster-coco-eval: the same numbers as pycocotools, computed in C++ (docs/detection.md
+        # compares them).
         return {"map": ExactMeanAveragePrecision(box_format="xyxy", iou_type="bbox",
                                                  class_metrics=True,
                                                  print_summary=self.coco_summary)}  # fmt: skip

@@ -29,8 +29,8 @@ def resolve_precision(
 ) -> str:
     """``auto``: what was measured faster (docs/speed.md). On CUDA bf16 from Ampere on, fp16
     with a gradient scaler before. On a CPU bf16 only with AMX tiles, and only for a model
-    option that declares ``bf16_on_cpu`` (the tutorial's ConvNet: 1.44x at 28 px; the GPT:
-    1.56x); a ResNet (0.83x) trains slower there in bf16, as every model does without AMX.
+    option that declares ``bf16_on_cpu`` (the tutorial's ConvNet, the GPT); a ResNet trains
+    slower there in bf16, as every model does without AMX.
     An explicit bf16 on a GPU without bf16 units is refused (ConfigError)."""
     if cuda is None:
         cuda = probe_cuda(index=device.index or 0) if device.type == "cuda" else Cuda()

@@ -252,8 +252,8 @@ def prepare_device(t: TrainerConfig, rt: Runtime, task: Task) -> tuple[float, st
     """The device's switches before the model is built (TF32 and cuDNN's autotuning on CUDA,
     as the task's inputs allow; determinism), its peak-memory counter, and its peak FLOP/s in
     the run's precision (with the source of that number), which ``mfu`` divides by. It asks the
-    device nothing that needs a tensor on it, so a CPU test runs it with CUDA faked, in this
-    order (tests/test_cuda_startup_units.py)."""
+    device nothing that needs a tensor on it, so that its CUDA branch runs on a CPU with the
+    probe faked."""
     flags = set_numerics(t, rt.device, task.fixed_input_shapes)
     if t.deterministic and rt.device.type == "cuda" and task.nondeterministic_on_cuda:
         log.warning("trainer.deterministic=true: %s has no deterministic CUDA kernel; torch "

@@ -17,7 +17,7 @@ from ddp_utils.config.errors import (
 )
 
 # data=pystdlib's rule that cuts train from val; a new rule makes older caches stale (2:
-# nanoGPT's ``int(n * (1 - val_fraction))`` training characters, issue 33).
+# nanoGPT's ``int(n * (1 - val_fraction))`` training characters).
 SPLIT_RULE = 2
 TOKEN_DTYPES = ("uint8", "uint16", "uint32")
 TOKENIZERS = ("char", "bytes")  # data=pystdlib's; prepare_text also has bpe

@@ -47,7 +47,7 @@ class ImageTensorDataset(Dataset):
 def digits_arrays() -> tuple[np.ndarray, np.ndarray]:
     """scikit-learn's bundled digits (no download): 1,797 8x8 images of grey levels 0..16 and
     their labels, as ``sklearn.datasets.load_digits`` returns them. Read from the file it ships
-    when it is there: importing sklearn.datasets loads scipy, over a second in every process."""
+    when it is there: importing sklearn.datasets loads scipy, slow in every process."""
     spec = importlib.util.find_spec("sklearn")  # finds the package without importing it
     if spec is not None and spec.origin is not None:
         path = Path(spec.origin).parent / "datasets" / "data" / "digits.csv.gz"

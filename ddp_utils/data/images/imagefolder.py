@@ -231,10 +231,6 @@ class FolderWalk:
         return True
 
 
-def _name(entry: os.DirEntry) -> str:
-    return entry.name
-
-
 def _key(st: os.stat_result) -> tuple[int, int]:
     return st.st_dev, st.st_ino
 

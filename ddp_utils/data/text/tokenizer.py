@@ -104,10 +104,6 @@ class BPETokenizer(Tokenizer):
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self.impl.encode(text).ids, dtype=np.int64)
 
-    def encode_many(self, texts: list[str]) -> np.ndarray:
-        encoded = self.impl.encode_batch(texts)
-        return np.concatenate([np.asarray(e.ids, dtype=np.int64) for e in encoded])
-
     def decode(self, ids: Iterable[int]) -> str:
         return self.impl.decode([int(i) for i in ids])
 
