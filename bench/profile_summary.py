@@ -23,7 +23,7 @@ PHASES = [  # (phase, a frame that marks it); the first match wins
     ("teardown", "destroy_process_group"),
     ("step: next batch", "__next__ (torch/utils/data/dataloader"),
     ("step: next batch", "__iter__ (torch/utils/data/dataloader"),
-    ("step: stop poll", "poll (ddp_utils/preemption"),
+    ("step: stop poll", "poll (ddp_utils/lifecycle/preemption"),
     ("step: profiler", "profile_window"),
     ("step: backward", "backward (torch/_tensor"),
     ("step: optimizer", "optimizer_step"),
