@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from ddp_utils.config import ImageFolderData, TrainerConfig  # noqa: E402
-from ddp_utils.data import build_data, cache, imagefolder  # noqa: E402
+from ddp_utils.data import build_data, cache  # noqa: E402
+from ddp_utils.data.images import imagefolder  # noqa: E402
 from ddp_utils.dist import init_distributed, shutdown  # noqa: E402
 
 COLLECTIVE_TIMEOUT_S, SCAN_DELAY_S = 2.0, 4.0
