@@ -1,24 +1,45 @@
-"""``python -m ddp_utils.checkpoint DIR OUT.pt``: a sharded checkpoint folder as one whole
-file, for eval.py, generate.py and sharing."""
+"""Checkpoints as files that other tools load:
+
+    python -m ddp_utils.checkpoint export CHECKPOINT OUT --format torch|safetensors|hf [--ema]
+    python -m ddp_utils.checkpoint DIR.dcp OUT.pt        # the same as --format torch
+
+``torch``: one consolidated ``torch.save`` file that eval.py and generate.py read (a sharded
+folder's shards gathered; the optimizer's state left behind). ``safetensors``: the model's
+weights alone, with the run's config in the file's metadata. ``hf``: a Hugging Face folder
+(``config.json``, ``model.safetensors``) for a model that declares its Hugging Face layout
+(``hf_export()``: the GPT's is GPT-2's), which ``transformers``' ``from_pretrained`` loads.
+"""
 
 from __future__ import annotations
 
+import argparse
+import json
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch import nn
 
-from ddp_utils.checkpoint.format import SHARDED_DIR, load_sharded_meta
-from ddp_utils.config import UserError
-from ddp_utils.files import atomic_save
+from ddp_utils.checkpoint.format import SHARDED_DIR, load_checkpoint, load_sharded_meta
+from ddp_utils.checkpoint.inference import inference_model
+from ddp_utils.config import ConfigError, UserError, from_record, to_schema
+from ddp_utils.files import atomic_save, atomic_write_text
+
+FORMATS = ("torch", "safetensors", "hf")
 
 
 def to_single_file(src: Path, dst: Path) -> None:
-    """A sharded checkpoint as one whole file that eval.py and generate.py read, and that can
-    be shared: torch's ``dcp_to_torch_save`` gathers the shards; the optimizer's state stays
-    behind (keyed by parameter name, it would not load into a single process's optimizer, and
-    training resumes from the folder)."""
+    """A checkpoint as one whole file that eval.py and generate.py read, and that can be
+    shared: a sharded folder's shards gathered by torch's ``dcp_to_torch_save``. The
+    optimizer's state stays behind (a sharded one is keyed by parameter name and would not
+    load into a single process's optimizer; training resumes from the original)."""
+    if not src.is_dir():
+        ckpt = load_checkpoint(src)
+        whole = {k: v for k, v in ckpt.items() if k != "optimizer"}
+        atomic_save(whole | {"converted_from": str(src)}, dst)
+        return
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     meta = load_sharded_meta(src)
@@ -30,19 +51,83 @@ def to_single_file(src: Path, dst: Path) -> None:
     atomic_save(plain | states | {"converted_from": str(src)}, dst)
 
 
-def main(argv: list[str] | None = None) -> int:
-    import argparse
+def checkpoint_model(src: Path, ema: bool) -> tuple[nn.Module, dict[str, Any]]:
+    """The model a checkpoint (a file or a sharded folder) holds, on the CPU, and the run's
+    config record."""
+    ckpt = load_checkpoint(src)
+    train_cfg = to_schema(from_record(ckpt["config"]))
+    fix = "Give a train.py checkpoint."
+    return inference_model(ckpt, src, train_cfg, ema, fix=fix), ckpt["config"]
 
-    p = argparse.ArgumentParser(
-        prog="python -m ddp_utils.checkpoint",
-        description="Turn a sharded checkpoint folder (trainer.strategy=fsdp2, *.dcp) into one "
-        "whole .pt file for eval.py, generate.py and sharing.",
+
+def to_safetensors(src: Path, dst: Path, ema: bool = False) -> None:
+    """The model's weights as one safetensors file (each tensor its own: a tied embedding is
+    written twice), the run's config as JSON in its metadata."""
+    from safetensors.torch import save_file
+
+    model, record = checkpoint_model(src, ema)
+    weights = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dst.parent) as tmp:
+        save_file(weights, Path(tmp) / "w.safetensors", metadata={"config": json.dumps(record)})
+        Path(tmp, "w.safetensors").replace(dst)
+
+
+def to_hf_folder(src: Path, dst: Path, ema: bool = False) -> None:
+    """A Hugging Face folder of a model that declares its layout (``hf_export()`` returns the
+    ``transformers`` config class name, its arguments, and the state dict in its names)."""
+    model, record = checkpoint_model(src, ema)
+    if not hasattr(model, "hf_export"):
+        raise ConfigError(
+            f"model={record.get('model', {}).get('name')} declares no Hugging Face layout "
+            f"(an hf_export() method): export it with --format torch or --format safetensors."
+        )
+    import transformers
+
+    config_class, kwargs, state = model.hf_export()
+    hf = transformers.AutoModelForCausalLM.from_config(
+        getattr(transformers, config_class)(**kwargs)
     )
-    p.add_argument("src", type=Path, help="a .dcp folder, e.g. outputs/RUN/checkpoints/best.dcp")
-    p.add_argument("dst", type=Path, help="the .pt file to write")
-    args = p.parse_args(argv)
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    tied = set(getattr(hf, "_tied_weights_keys", None) or [])
+    if unexpected or set(missing) - tied:
+        raise AssertionError(f"hf_export() does not fit {config_class}: {missing}, {unexpected}")
+    hf.save_pretrained(dst, safe_serialization=True)
+    atomic_write_text(dst / "ddp_recipes.json", json.dumps({"config": record}, indent=1) + "\n")
+
+
+def export(src: Path, dst: Path, fmt: str, ema: bool = False) -> None:
+    if fmt == "torch":
+        if ema:
+            raise ConfigError("--ema is for --format safetensors and hf: --format torch keeps "
+                              "both the weights and the EMA weights.")  # fmt: skip
+        to_single_file(src, dst)
+    else:
+        (to_safetensors if fmt == "safetensors" else to_hf_folder)(src, dst, ema)
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m ddp_utils.checkpoint", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    if not argv or argv[0] != "export":  # the two-argument form of earlier releases
+        p.add_argument(
+            "src", type=Path, help="a .dcp folder, e.g. outputs/RUN/checkpoints/best.dcp"
+        )
+        p.add_argument("dst", type=Path, help="the .pt file to write")
+        return argparse.Namespace(**vars(p.parse_args(argv)), format="torch", ema=False)
+    sub = p.add_subparsers(dest="command", required=True)
+    e = sub.add_parser("export", help="export a checkpoint for other tools")
+    e.add_argument("src", type=Path, help="a checkpoint file or sharded folder (best.pt, last.dcp)")
+    e.add_argument("dst", type=Path, help="the file (torch, safetensors) or folder (hf) to write")
+    e.add_argument("--format", choices=FORMATS, default="torch")
+    e.add_argument("--ema", action="store_true", help="the EMA weights (safetensors, hf)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(sys.argv[1:] if argv is None else argv)
     try:
-        to_single_file(args.src, args.dst)
+        export(args.src, args.dst, args.format, args.ema)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

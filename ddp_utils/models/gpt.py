@@ -110,6 +110,43 @@ class GPT(nn.Module):
         embeddings, tied to the head, stay with the root)."""
         return list(self.blocks)
 
+    def hf_export(self) -> tuple[str, dict, dict[str, torch.Tensor]]:
+        """This model in Hugging Face's GPT-2 layout (``python -m ddp_utils.checkpoint export
+        --format hf``): the config class, its arguments, and the weights under GPT-2's names.
+        GPT-2's Conv1D layers hold (in, out) matrices, the transpose of a Linear's; its
+        LayerNorms and projections always have biases (zero where this model has none), and
+        its exact GELU is ``gelu`` (``gelu_new`` is the tanh approximation)."""
+        width, layers = self.wte.embedding_dim, len(self.blocks)
+        kwargs = {"vocab_size": self.wte.num_embeddings, "n_positions": self.block_size,
+                  "n_embd": width, "n_layer": layers, "n_head": self.blocks[0].attn.n_head,
+                  "activation_function": "gelu", "layer_norm_epsilon": self.ln_f.eps,
+                  "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+                  "bos_token_id": None, "eos_token_id": None,
+                  "tie_word_embeddings": True}  # fmt: skip
+        own = {k: v.detach() for k, v in self.state_dict().items()}
+
+        def linear(ours: str, theirs: str, out: int) -> dict[str, torch.Tensor]:
+            bias = own.get(f"{ours}.bias", torch.zeros(out))
+            return {f"{theirs}.weight": own[f"{ours}.weight"].t().contiguous(),
+                    f"{theirs}.bias": bias}  # fmt: skip
+
+        def norm(ours: str, theirs: str) -> dict[str, torch.Tensor]:
+            return {f"{theirs}.weight": own[f"{ours}.weight"],
+                    f"{theirs}.bias": own.get(f"{ours}.bias", torch.zeros(width))}  # fmt: skip
+
+        state = {"transformer.wte.weight": own["wte.weight"],
+                 "transformer.wpe.weight": own["wpe.weight"],
+                 "lm_head.weight": own["wte.weight"],
+                 **norm("ln_f", "transformer.ln_f")}  # fmt: skip
+        for i in range(layers):
+            ours, theirs = f"blocks.{i}", f"transformer.h.{i}"
+            state |= norm(f"{ours}.ln_1", f"{theirs}.ln_1") | norm(f"{ours}.ln_2", f"{theirs}.ln_2")
+            state |= linear(f"{ours}.attn.qkv", f"{theirs}.attn.c_attn", 3 * width)
+            state |= linear(f"{ours}.attn.proj", f"{theirs}.attn.c_proj", width)
+            state |= linear(f"{ours}.mlp.fc", f"{theirs}.mlp.c_fc", 4 * width)
+            state |= linear(f"{ours}.mlp.proj", f"{theirs}.mlp.c_proj", width)
+        return "GPT2Config", kwargs, state
+
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]
         if t > self.block_size:
