@@ -32,6 +32,7 @@ from ddp_utils.logs import log, setup_logging
 from ddp_utils.models import memory_format_of
 from ddp_utils.tasks import build_task, check_task, draw_predictions
 from ddp_utils.train.precision import amp_context, resolve_precision, set_numerics
+from ddp_utils.urls import is_url
 
 EVAL_ONLY_KEYS = ("checkpoint", "output", "ema")
 REPORT_COUNTS = ("num_samples", "skipped_images", "world_size")  # said in the first line
@@ -65,9 +66,12 @@ def describe(cfg: dict[str, Any]) -> str:
     return f"model={m['name']} on data={d['name']} ({shape}, {d['num_classes']} classes)"
 
 
-def default_output(checkpoint: Path) -> Path:
-    """``<run_dir>/eval.json`` for a checkpoint at ``<run_dir>/checkpoints/*.pt``."""
-    parent = checkpoint.resolve().parent
+def default_output(checkpoint: str) -> Path:
+    """``<run_dir>/eval.json`` for a checkpoint at ``<run_dir>/checkpoints/*.pt``; for one at
+    a URL, ``eval.json`` in the working directory."""
+    if is_url(checkpoint):
+        return Path("eval.json").resolve()
+    parent = Path(checkpoint).resolve().parent
     run_dir = parent.parent if parent.match("checkpoints") else parent
     return run_dir / "eval.json"
 
@@ -79,7 +83,7 @@ def run_eval(cfg: DictConfig, implied: Sequence[str] = ()) -> dict[str, Any]:
         raise ConfigError(
             "checkpoint=PATH is required: python eval.py checkpoint=RUN/checkpoints/best.pt"
         )
-    checkpoint = Path(cfg.checkpoint)
+    checkpoint = str(cfg.checkpoint)  # a path or a URL
     ckpt = load_checkpoint(checkpoint)
     train_cfg = checkpoint_config(ckpt["config"], cfg, command_line_keys(implied))
     rt = init_distributed(train_cfg.trainer)
@@ -122,7 +126,7 @@ def run_eval(cfg: DictConfig, implied: Sequence[str] = ()) -> dict[str, Any]:
     return result
 
 
-def report_to_tracker(ckpt: dict[str, Any], train_cfg: TrainConfig, checkpoint: Path,
+def report_to_tracker(ckpt: dict[str, Any], train_cfg: TrainConfig, checkpoint: str,
                       output: Path, result: dict[str, Any]) -> None:  # fmt: skip
     """A checkpoint of a run logged to MLflow: its run gets the evaluation too (a failure
     only warns: eval.json is written)."""
@@ -135,14 +139,14 @@ def report_to_tracker(ckpt: dict[str, Any], train_cfg: TrainConfig, checkpoint: 
     numbers = {k: float(v) for k, v in scalars(result).items()}
     try:
         log_evaluation(dataclasses.asdict(train_cfg.logger_cfg.mlflow), run_id,
-                       checkpoint.resolve().parent.parent, files, numbers)  # fmt: skip
+                       default_output(checkpoint).parent, files, numbers)  # fmt: skip
     except Exception as e:
         log.warning("eval.json not logged to MLflow run %s (%s: %s)", run_id,
                     type(e).__name__, e)  # fmt: skip
 
 
 def check_classes(
-    trained: list[str] | None, found: list[str] | None, checkpoint: Path, data: DataConfig
+    trained: list[str] | None, found: list[str] | None, checkpoint: str, data: DataConfig
 ) -> None:
     """Refuse a folder whose classes are not the ones the checkpoint was trained on."""
     if trained is None or found is None or trained == found:

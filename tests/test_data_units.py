@@ -345,10 +345,12 @@ def test_the_end_of_training_stops_the_loaders_workers(folder):
     data = build_data(folder_cfg(folder, batch_size=16, num_workers=1), RT, seed=0)
     next(iter(data.train)), next(iter(data.val))
     workers = data.train._iterator._workers + data.val._iterator._workers
-    helpers = {name: mock.Mock() for name in ("stop", "watchdog", "progress", "trackers")}
+    names = ("stop", "watchdog", "progress", "trackers", "checkpointer")
+    helpers = {name: mock.Mock() for name in names}
     Training.close(SimpleNamespace(data=data, **helpers), drain=False)
     assert not any(w.is_alive() for w in workers)
     helpers["stop"].close.assert_called_once_with(False)
+    helpers["checkpointer"].close.assert_called_once_with(drain=False)
 
 
 def test_a_data_family_outside_the_package_is_built_from_its_schema_alone():

@@ -96,8 +96,10 @@ def test_the_divergence_message_suggests_only_what_would_change(tmp_path, precis
 
     trainer = SimpleNamespace(grad_clip=clip, precision=precision)
     cfg = SimpleNamespace(optim=SimpleNamespace(lr=0.1), trainer=trainer)
-    tr = SimpleNamespace(run_dir=tmp_path, step=3, epoch=0, cfg=cfg)
+    saves = SimpleNamespace(last_complete=lambda: None)
+    tr = SimpleNamespace(run_dir=tmp_path, step=3, epoch=0, cfg=cfg, checkpointer=saves)
     text = str(diverged(tr, "the training loss"))
+    assert "Last good checkpoint: none" in text
     assert "a lower optim.lr (now 0.1)" in text
     assert ("trainer.precision=32" in text) == (precision != "32")
     assert ("trainer.grad_clip=1.0" in text) == (clip is None)

@@ -1,6 +1,7 @@
 """Checkpoints, in one room: what one holds (``state``), its formats (``format``: one whole
 file, or a DCP folder when the strategy shards parameters), where its bytes go
-(``storage``: today a local folder), what is never written (``finite``), whether and from
+(``storage``: a local folder or an fsspec URL), how a save runs (``save``: in the step or
+in the background), what is never written (``finite``), whether and from
 which a run continues (``resume``), a checkpoint as a model for eval.py and generate.py
 (``inference``), and the command line (``export``: ``python -m ddp_utils.checkpoint``).
 
@@ -11,10 +12,10 @@ from ddp_utils.checkpoint.finite import DIVERGED_EXIT, NonFiniteError, all_finit
 from ddp_utils.checkpoint.format import CorruptCheckpointError, load_checkpoint
 from ddp_utils.checkpoint.inference import inference_model
 from ddp_utils.checkpoint.resume import resume
-from ddp_utils.checkpoint.save import save
+from ddp_utils.checkpoint.save import finish_saves, save
 from ddp_utils.checkpoint.storage import step_checkpoints
 
 __all__ = [
     "DIVERGED_EXIT", "CorruptCheckpointError", "NonFiniteError", "all_finite", "diverged",
-    "inference_model", "load_checkpoint", "resume", "save", "step_checkpoints",
+    "finish_saves", "inference_model", "load_checkpoint", "resume", "save", "step_checkpoints",
 ]  # fmt: skip

@@ -3,6 +3,10 @@
     python -m ddp_utils.checkpoint export CHECKPOINT OUT --format torch|safetensors|hf [--ema]
     python -m ddp_utils.checkpoint DIR.dcp OUT.pt        # the same as --format torch
 
+``CHECKPOINT`` is a file, a sharded folder, or either's URL on a store (a ``last.pt`` or
+``best.pt`` URL names the step its marker names); S3 reads AWS_ENDPOINT_URL and the usual
+credentials.
+
 ``torch``: one consolidated ``torch.save`` file that eval.py and generate.py read (a sharded
 folder's shards gathered; the optimizer's state left behind). ``safetensors``: the model's
 weights alone, with the run's config in the file's metadata. ``hf``: a Hugging Face folder
@@ -19,10 +23,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
-from ddp_utils.checkpoint.format import SHARDED_DIR, load_checkpoint, load_sharded_meta
+from ddp_utils.checkpoint.format import (
+    SHARDED_DIR,
+    SHARDED_OPTIONS,
+    load_checkpoint,
+    read_all_shards,
+)
 from ddp_utils.checkpoint.inference import inference_model
 from ddp_utils.config import ConfigError, UserError, from_record, to_schema
 from ddp_utils.files import atomic_save, atomic_write_text
@@ -30,28 +38,23 @@ from ddp_utils.files import atomic_save, atomic_write_text
 FORMATS = ("torch", "safetensors", "hf")
 
 
-def to_single_file(src: Path, dst: Path) -> None:
+def to_single_file(src: str, dst: Path) -> None:
     """A checkpoint as one whole file that eval.py and generate.py read, and that can be
-    shared: a sharded folder's shards gathered by torch's ``dcp_to_torch_save``. The
-    optimizer's state stays behind (a sharded one is keyed by parameter name and would not
-    load into a single process's optimizer; training resumes from the original)."""
-    if not src.is_dir():
-        ckpt = load_checkpoint(src)
-        whole = {k: v for k, v in ckpt.items() if k != "optimizer"}
-        atomic_save(whole | {"converted_from": str(src)}, dst)
-        return
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    meta = load_sharded_meta(src)
-    with tempfile.TemporaryDirectory(dir=dst.parent) as tmp:
-        dcp_to_torch_save(src, Path(tmp) / "whole.pt")
-        whole = torch.load(Path(tmp) / "whole.pt", map_location="cpu", weights_only=True)
-    plain = {k: v for k, v in meta.items() if k not in (SHARDED_DIR, "sharded")}
-    states = {k: v for k, v in whole.items() if k != "optimizer"}
-    atomic_save(plain | states | {"converted_from": str(src)}, dst)
+    shared: a sharded folder's shards gathered. The optimizer's state stays behind (a sharded
+    one is keyed by parameter name and would not load into a single process's optimizer;
+    training resumes from the original)."""
+    ckpt = load_checkpoint(src)
+    if SHARDED_DIR in ckpt:
+        states = read_all_shards(ckpt)
+        plain = {
+            k: v for k, v in ckpt.items() if k not in (SHARDED_DIR, SHARDED_OPTIONS, "sharded")
+        }
+        ckpt = plain | states
+    whole = {k: v for k, v in ckpt.items() if k != "optimizer"}
+    atomic_save(whole | {"converted_from": str(src)}, dst)
 
 
-def checkpoint_model(src: Path, ema: bool) -> tuple[nn.Module, dict[str, Any]]:
+def checkpoint_model(src: str, ema: bool) -> tuple[nn.Module, dict[str, Any]]:
     """The model a checkpoint (a file or a sharded folder) holds, on the CPU, and the run's
     config record."""
     ckpt = load_checkpoint(src)
@@ -60,7 +63,7 @@ def checkpoint_model(src: Path, ema: bool) -> tuple[nn.Module, dict[str, Any]]:
     return inference_model(ckpt, src, train_cfg, ema, fix=fix), ckpt["config"]
 
 
-def to_safetensors(src: Path, dst: Path, ema: bool = False) -> None:
+def to_safetensors(src: str, dst: Path, ema: bool = False) -> None:
     """The model's weights as one safetensors file (each tensor its own: a tied embedding is
     written twice), the run's config as JSON in its metadata."""
     from safetensors.torch import save_file
@@ -73,7 +76,7 @@ def to_safetensors(src: Path, dst: Path, ema: bool = False) -> None:
         Path(tmp, "w.safetensors").replace(dst)
 
 
-def to_hf_folder(src: Path, dst: Path, ema: bool = False) -> None:
+def to_hf_folder(src: str, dst: Path, ema: bool = False) -> None:
     """A Hugging Face folder of a model that declares its layout (``hf_export()`` returns the
     ``transformers`` config class name, its arguments, and the state dict in its names)."""
     model, record = checkpoint_model(src, ema)
@@ -96,7 +99,7 @@ def to_hf_folder(src: Path, dst: Path, ema: bool = False) -> None:
     atomic_write_text(dst / "ddp_recipes.json", json.dumps({"config": record}, indent=1) + "\n")
 
 
-def export(src: Path, dst: Path, fmt: str, ema: bool = False) -> None:
+def export(src: str, dst: Path, fmt: str, ema: bool = False) -> None:
     if fmt == "torch":
         if ema:
             raise ConfigError("--ema is for --format safetensors and hf: --format torch keeps "
@@ -110,14 +113,16 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m ddp_utils.checkpoint", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     if not argv or argv[0] != "export":  # the two-argument form of earlier releases
-        p.add_argument(
-            "src", type=Path, help="a .dcp folder, e.g. outputs/RUN/checkpoints/best.dcp"
-        )
+        p.add_argument("src", help="a .dcp folder, e.g. outputs/RUN/checkpoints/best.dcp")
         p.add_argument("dst", type=Path, help="the .pt file to write")
         return argparse.Namespace(**vars(p.parse_args(argv)), format="torch", ema=False)
     sub = p.add_subparsers(dest="command", required=True)
     e = sub.add_parser("export", help="export a checkpoint for other tools")
-    e.add_argument("src", type=Path, help="a checkpoint file or sharded folder (best.pt, last.dcp)")
+    e.add_argument(
+        "src",
+        help="a checkpoint file or sharded folder (best.pt, last.dcp), or its "
+        "URL (s3://bucket/run/checkpoints/best.pt)",
+    )
     e.add_argument("dst", type=Path, help="the file (torch, safetensors) or folder (hf) to write")
     e.add_argument("--format", choices=FORMATS, default="torch")
     e.add_argument("--ema", action="store_true", help="the EMA weights (safetensors, hf)")

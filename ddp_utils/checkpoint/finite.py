@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ddp_utils.checkpoint.storage import checkpoint_dir, step_checkpoints
 from ddp_utils.config import UserError
 
 if TYPE_CHECKING:
@@ -40,8 +39,7 @@ def _tensors(items: Iterable[Any]) -> Iterator[torch.Tensor]:
 
 def diverged(tr: TrainingState, what: str) -> NonFiniteError:
     """The one message of a diverged run: where, the last good checkpoint, and what to try."""
-    saved = step_checkpoints(checkpoint_dir(tr.run_dir))
-    last = f"{saved[-1]}" if saved else "none (the run has no checkpoint yet)"
+    last = tr.checkpointer.last_complete() or "none (the run has no checkpoint yet)"
     t = tr.cfg.trainer
     tries = [f"a lower optim.lr (now {tr.cfg.optim.lr:g})"]
     tries.append("trainer.grad_clip=1.0" if t.grad_clip is None else

@@ -12,89 +12,44 @@ A training checkpoint is a dict of plain tensors and containers: ``model``, ``op
 
 A sharded checkpoint holds ``model``, ``optimizer`` and ``model_ema`` as shards
 (``.metadata`` and one ``.distcp`` file a rank), the rest in ``meta.pt`` (the main rank's,
-read with ``weights_only``). It is written as ``.step_<N>.dcp.tmp/`` and renamed whole; any
-world size reads it (resharded to its own); ``python -m ddp_utils.checkpoint DIR OUT.pt``
-turns it into one whole file."""
+read with ``weights_only``). Any world size reads it (resharded to its own);
+``python -m ddp_utils.checkpoint export`` turns it into one whole file. Where the bytes go,
+and what makes a checkpoint complete, is ``storage``'s; how a save runs is ``save``'s."""
 
 from __future__ import annotations
 
-import os
 import pickle
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
 from ddp_utils.checkpoint.storage import (
+    META,
     SHARDED_SUFFIX,
-    last_checkpoints,
-    publish_step,
-    remove,
-    removed_on_failure,
-    step_checkpoints,
-    step_path,
+    LocalFolder,
+    ObjectStore,
+    Storage,
+    open_storage,
 )
 from ddp_utils.config import ConfigError, UserError, whole_sentences
-from ddp_utils.dist import Runtime, checkpoint_group
-from ddp_utils.files import atomic_save
-from ddp_utils.lifecycle.disk import writing_into
-from ddp_utils.run.folder import write_on_main
+from ddp_utils.urls import fs_options, is_url, local_path
 
 SHARDED_KEYS = ("model", "optimizer", "model_ema")  # the states a sharded checkpoint shards
-META = "meta.pt"  # a sharded checkpoint's plain part
+SHARDED_DIR = "sharded_dir"  # where a loaded sharded checkpoint's shards are
+SHARDED_OPTIONS = "sharded_storage_options"  # and the fsspec options to read them with
 
 
-def save_whole(
-    state: dict[str, Any], ckpt_dir: Path, also: tuple[str, ...], keep_last: int, rt: Runtime
-) -> Path:
-    """Main rank: write ``step_<N>.pt``, point ``last.pt`` at it (a hard link: the newest step
-    file, which resume reads first, is the same file), copy it to each name in ``also`` (such
-    as ``best.pt``: a file of its own, so damage to last.pt or a step file leaves it whole),
-    drop all but the newest ``keep_last`` step files. Every rank waits until that is done."""
-    path = step_path(ckpt_dir, state["step"], ".pt")
-
-    def write_file() -> None:
-        atomic_save(state, path)
-        publish_step(path, ckpt_dir, also, keep_last)
-
-    write_on_main(ckpt_dir.parent, rt, write_file)  # every rank waits for it, or stops with it
-    return path
-
-
-def save_sharded(
-    state: dict[str, Any],
-    ckpt_dir: Path,
-    also: tuple[str, ...],
-    keep_last: int,
-    rt: Runtime,
-    timeout_s: float = 1800.0,
-) -> Path:
-    """Every rank: write its shards of ``state``'s model, optimizer and EMA (and the main rank
-    the rest) into ``step_<N>.dcp/``, renamed into place once complete; ``last.dcp`` then links
-    to it, each name in ``also`` (``best.pt`` is ``best.dcp``) gets a copy, and all but the
-    newest ``keep_last`` step folders go. DCP's collectives wait ``timeout_s`` for the
-    slowest rank's write (``trainer.checkpoint.timeout_s``), not the training group's timeout."""
+def shard_reader(ckpt: dict[str, Any]) -> Any:
+    """The DCP reader of a loaded sharded checkpoint's shards, in a folder or on a store."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
-    path = step_path(ckpt_dir, state["step"], SHARDED_SUFFIX)
-    tmp = ckpt_dir / f".{path.name}.tmp"
-    write_on_main(ckpt_dir.parent, rt, lambda: (remove(tmp), tmp.mkdir(parents=True)))
-    shards = {k: state[k] for k in SHARDED_KEYS if k in state}
-    with removed_on_failure(tmp, rt.is_main), writing_into(ckpt_dir.parent):
-        # every rank its own file; raises on every rank
-        dcp.save(shards, checkpoint_id=tmp, process_group=checkpoint_group(timeout_s))
-
-    def publish_folder() -> None:
-        plain = {k: v for k, v in state.items() if k not in shards}
-        with removed_on_failure(tmp):
-            atomic_save(plain | {"sharded": sorted(shards)}, tmp / META)
-        remove(path)
-        os.replace(tmp, path)
-        publish_step(path, ckpt_dir, also, keep_last)
-
-    write_on_main(ckpt_dir.parent, rt, publish_folder)
-    return path
+    where = ckpt[SHARDED_DIR]
+    if is_url(where):
+        return FsspecReader(where, **fs_options(where, ckpt.get(SHARDED_OPTIONS) or {}))
+    return dcp.FileSystemReader(where)
 
 
 def read_sharded(ckpt: dict[str, Any], template: dict[str, Any], alone: bool = False) -> None:
@@ -102,34 +57,46 @@ def read_sharded(ckpt: dict[str, Any], template: dict[str, Any], alone: bool = F
     or whole tensors) from a sharded checkpoint. Every rank calls it, unless ``alone``."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.load(template, checkpoint_id=ckpt[SHARDED_DIR], no_dist=alone)
+    dcp.load(template, storage_reader=shard_reader(ckpt), no_dist=alone)
+
+
+def read_all_shards(ckpt: dict[str, Any]) -> dict[str, Any]:
+    """Every sharded state of the checkpoint, whole, in this one process (what torch's
+    ``dcp_to_torch_save`` does, from a folder or a store)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+
+    whole: dict[str, Any] = {}
+    dcp.load(whole, storage_reader=shard_reader(ckpt), planner=_EmptyStateDictLoadPlanner(),
+             no_dist=True)  # fmt: skip
+    return whole
 
 
 def newest_loadable(
-    ckpt_dir: Path, warn: Callable[[str], None]
-) -> tuple[Path, dict[str, Any]] | None:
-    """The newest checkpoint in ``ckpt_dir`` that loads, with its contents; a torn one is
-    skipped with a warning. None when there is none at all; when there are some but none
+    storage: Storage, warn: Callable[[str], None]
+) -> tuple[str, dict[str, Any]] | None:
+    """The newest complete checkpoint in ``storage`` that loads, with its contents; a torn one
+    is skipped with a warning. None when there is none at all; when there are some but none
     loads, ConfigError with what was tried (training over the run would lose it). An unsafe
     file is not skipped: it raises, since someone put it there."""
-    candidates = list(reversed(step_checkpoints(ckpt_dir)))
-    if not candidates:
-        candidates = last_checkpoints(ckpt_dir)
     tried = []
-    for path in candidates:
+    for name in storage.complete():
+        ref = storage.ref(name)
         try:
-            return path, load_checkpoint(path)
+            return ref, load_from(storage, name)
         except CorruptCheckpointError as e:
             warn(f"skipping a checkpoint that does not load: {e}")
-            tried.append(f"{path.name} ({e.reason})")
+            tried.append(f"{name} ({e.reason})")
     if not tried:
         return None
-    others = sorted(p.name for p in ckpt_dir.glob("*.pt") if p not in candidates)
-    also = f" Other files there: {', '.join(others)}." if others else ""
+    others = ""
+    if isinstance(storage, LocalFolder):
+        names = sorted(p.name for p in storage.folder.glob("*.pt") if p.name not in tried)
+        others = f" Other files there: {', '.join(names)}." if names else ""
     raise ConfigError(
-        f"resume=auto found checkpoints in {ckpt_dir} but none loads: {'; '.join(tried)}.{also} "
-        "Nothing was trained over them. Resume from a file you trust with resume=PATH, or "
-        "start a new run with resume=never and another run_dir=PATH."
+        f"resume=auto found checkpoints in {storage.where} but none loads: {'; '.join(tried)}."
+        f"{others} Nothing was trained over them. Resume from a file you trust with "
+        "resume=PATH, or start a new run with resume=never and another run_dir=PATH."
     )
 
 
@@ -146,40 +113,76 @@ def _blocked_global(e: BaseException) -> str:
     return summary(e)
 
 
-def load_checkpoint(path: str | Path, mmap: bool = False) -> dict[str, Any]:
+def load_checkpoint(path: str | Path, mmap: bool = False,
+                    storage_options: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
     """Load with ``weights_only=True``; a missing, corrupt or unsafe file raises ConfigError.
-    ``mmap``: map the tensors instead of reading them (to look at the config alone)."""
-    path = Path(path)
+    ``path`` may be a URL (``s3://bucket/run/checkpoints/best.pt``: a step, or the step a
+    ``last``/``best`` marker names). ``mmap``: map the tensors instead of reading them (to
+    look at the config alone)."""
+    if is_url(path):
+        folder, _, name = str(path).rstrip("/").rpartition("/")
+        return load_from(open_storage(folder, storage_options), name)
+    path = Path(local_path(str(path)))
     if path.is_dir():
         return load_sharded_meta(path)
     if not path.is_file():
         raise ConfigError(
             f"checkpoint={path}: no such file; pass the path of a .pt file (or .dcp folder) "
-            "written by train.py (e.g. outputs/<run>/checkpoints/best.pt)."
+            "written by train.py (e.g. outputs/<run>/checkpoints/best.pt), or its URL."
         )
+    return torch_load(path, str(path), mmap)
+
+
+def load_from(storage: Storage, name: str) -> dict[str, Any]:
+    """The checkpoint ``name`` in ``storage`` (on a store: a complete step, or the step a
+    marker names)."""
+    if isinstance(storage, LocalFolder):
+        return load_checkpoint(storage.folder / name)
+    assert isinstance(storage, ObjectStore)
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        name = storage.resolve(name)
+        if not storage.is_complete(name):
+            raise CorruptCheckpointError(
+                f"checkpoint={storage.ref(name)} is not complete (its save did not finish: "
+                "no commit marker). Use another checkpoint of the run.",
+                "no commit marker",
+            )
+        if name.endswith(SHARDED_SUFFIX):
+            meta = torch_load(storage.open(f"{name}/{META}"), storage.ref(name))
+            return meta | {SHARDED_DIR: storage.ref(name), SHARDED_OPTIONS: storage.options}
+        return torch_load(storage.open(name), storage.ref(name))
+    except (UserError, PermissionError):
+        raise
+    except FileNotFoundError as e:
+        raise _corrupt(storage.ref(name), e) from None
+    except Exception as e:  # noqa: BLE001 - any transport error of any fsspec backend
+        raise ConfigError(f"cannot read checkpoint={storage.ref(name)} ({summary(e)}). Check "
+                          "the URL and the credentials (AWS_ACCESS_KEY_ID / "
+                          "AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL).") from None  # fmt: skip
+
+
+def torch_load(source: Path | IO[bytes], where: str, mmap: bool = False) -> dict[str, Any]:
+    """``torch.load`` of a train.py checkpoint, refusing what would run code."""
+    try:
+        ckpt = torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         if "Weights only load failed" in str(e):
             # Never retried with weights_only=False: that would run whatever the file holds.
             raise ConfigError(
-                f"checkpoint={path} refused: loading it would need arbitrary unpickling "
+                f"checkpoint={where} refused: loading it would need arbitrary unpickling "
                 f"({_blocked_global(e)}), which can run code. Load only checkpoints written "
                 "by train.py."
             ) from None
-        raise _corrupt(path, e) from None
+        raise _corrupt(where, e) from None
     except Exception as e:  # torch.load reports torn files as RuntimeError, KeyError, EOFError...
-        raise _corrupt(path, e) from None
+        raise _corrupt(where, e) from None
     if (
         not isinstance(ckpt, dict)
         or "config" not in ckpt
         or not ("model" in ckpt or "sharded" in ckpt)
     ):
-        raise ConfigError(f"checkpoint={path} was not written by train.py (no model/config keys).")
+        raise ConfigError(f"checkpoint={where} was not written by train.py (no model/config keys).")
     return ckpt
-
-
-SHARDED_DIR = "sharded_dir"  # where a loaded sharded checkpoint's shards are
 
 
 def load_sharded_meta(path: Path) -> dict[str, Any]:
@@ -198,29 +201,13 @@ class CorruptCheckpointError(UserError):
         self.reason = reason
 
 
-def _corrupt(path: Path, e: BaseException) -> ConfigError:
+def _corrupt(path: str | Path, e: BaseException) -> ConfigError:
     reason = summary(e)
     return CorruptCheckpointError(
         f"checkpoint={path} is corrupt or truncated ({reason}). Use another checkpoint of the "
         "run (last.pt, best.pt) or train again.",
         reason,
     )
-
-
-def write(
-    state: dict[str, Any],
-    ckpt_dir: Path,
-    also: tuple[str, ...],
-    keep_last: int,
-    rt: Runtime,
-    sharded: bool,
-    timeout_s: float,
-) -> Path:
-    """Every rank: write ``state`` as a sharded folder when the strategy shards parameters
-    (``sharded``), else as one whole file from the main rank; return its path."""
-    if sharded:
-        return save_sharded(state, ckpt_dir, also, keep_last, rt, timeout_s)
-    return save_whole(state, ckpt_dir, also, keep_last, rt)
 
 
 def read_states(ckpt: dict[str, Any], templates: Callable[[], dict[str, Any]],

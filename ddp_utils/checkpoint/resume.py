@@ -4,12 +4,11 @@ model, data set or seed) is refused with the keys that differ."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from ddp_utils.checkpoint.format import load_checkpoint, newest_loadable
 from ddp_utils.checkpoint.state import TrainingState, restore
-from ddp_utils.checkpoint.storage import checkpoint_dir, step_checkpoints
+from ddp_utils.checkpoint.storage import Storage
 from ddp_utils.config import ConfigError, TrainConfig, UserError, as_plain_dict, option_defaults
 from ddp_utils.config.schema import DEPRECATED_KEYS
 from ddp_utils.data.classes import class_difference
@@ -78,19 +77,21 @@ def _field_of(key: str, cfg: dict[str, Any]) -> bool:
     return True
 
 
-def pick_checkpoint(resume_from: str, run_dir: Path) -> tuple[Path, dict[str, Any]] | None:
+def pick_checkpoint(
+    resume_from: str, storage: Storage, storage_options: dict[str, Any]
+) -> tuple[str, dict[str, Any]] | None:
     """The checkpoint ``resume`` names, loaded, or None to start fresh (main rank)."""
-    ckpt_dir = checkpoint_dir(run_dir)
     if resume_from == "never":
-        if step_checkpoints(ckpt_dir) or (ckpt_dir / "last.pt").exists():
+        if storage.holds_any():
             raise ConfigError(
-                f"resume=never but run_dir={run_dir} already holds checkpoints. Continue it "
-                "with resume=auto, or start fresh with another run_dir=PATH."
+                f"resume=never but {storage.where} already holds checkpoints. Continue the "
+                "run with resume=auto, or start fresh with another run_dir=PATH (and "
+                "trainer.checkpoint.dir)."
             )
         return None
     if resume_from == "auto":
-        return newest_loadable(ckpt_dir, log.warning)
-    return Path(resume_from), load_checkpoint(resume_from)
+        return newest_loadable(storage, log.warning)
+    return resume_from, load_checkpoint(resume_from, storage_options=storage_options)
 
 
 def resume(tr: TrainingState) -> None:
@@ -101,7 +102,8 @@ def resume(tr: TrainingState) -> None:
     picked, error = None, None
     if tr.rt.is_main:
         try:
-            picked = pick_checkpoint(tr.cfg.resume, tr.run_dir)
+            picked = pick_checkpoint(tr.cfg.resume, tr.checkpointer.storage,
+                                     tr.cfg.trainer.checkpoint.storage_options)  # fmt: skip
         except UserError as e:
             error = str(e)
     path, error = broadcast_object((picked[0] if picked else None, error))
@@ -110,7 +112,8 @@ def resume(tr: TrainingState) -> None:
     if path is None:
         set_aside_metrics(tr.run_dir / "metrics.jsonl", tr.rt)
         return
-    ckpt = picked[1] if picked else load_checkpoint(path)
+    options = tr.cfg.trainer.checkpoint.storage_options
+    ckpt = picked[1] if picked else load_checkpoint(path, storage_options=options)
     refused, allowed = config_changes(ckpt["config"], tr.cfg)
     if refused:
         raise ConfigError(

@@ -38,6 +38,7 @@ class TrainingState(Protocol):
     data: Any
     trackers: Any
     callbacks: Any
+    checkpointer: Any  # ddp_utils.checkpoint.save.Checkpointer
     progress: Any
     raw_model: torch.nn.Module
     config_record: dict[str, Any]

@@ -1,24 +1,302 @@
-"""Where a checkpoint's bytes go: today a local folder (``run_dir/checkpoints``).
+"""Where a checkpoint's bytes go: a local folder (``run_dir/checkpoints`` unless
+``trainer.checkpoint.dir`` names another) or any fsspec URL (``s3://bucket/prefix``).
 
-Everything that names, publishes, lists or removes a checkpoint in its folder is here, so a
-backend of another kind (an fsspec URL, an object store) replaces this module's functions and
-nothing else. A checkpoint is complete when its name is ``step_<N>.pt`` or ``step_<N>.dcp``:
-it is written under a hidden temporary name and renamed whole; ``last`` points at the newest,
-``best`` is a copy of its own, and only the newest ``trainer.keep_last`` step checkpoints stay.
+Both hold ``step_<N>.pt`` files (one whole checkpoint, written by the main rank) and
+``step_<N>.dcp/`` folders (shards, written by every rank). What makes one complete differs:
+
+- A local folder renames: a file or folder is written under a hidden temporary name and
+  renamed whole. ``last.pt`` is a hard link to the newest step file (``last.dcp`` a symbolic
+  link), ``best.pt`` a copy of its own.
+- An object store has no rename. A step counts only once its commit marker
+  (``step_<N>.pt.complete``, a small JSON written after every byte of it) exists; ``last``,
+  ``best`` and ``best_ema`` are markers (``last.json``, ...) that name a step, not copies. A
+  step without its marker (a save killed halfway, or the store lost during it) is never read,
+  and the next commit removes it.
+
+Either way only the newest ``trainer.keep_last`` steps stay, and on a store those a ``best``
+marker names besides.
 """
 
 from __future__ import annotations
 
+import io
+import json
 import os
+import re
 import shutil
+import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
+from typing import IO, Any
 
-from ddp_utils.files import atomic_write
+import torch
+
+from ddp_utils.config import ConfigError
+from ddp_utils.files import atomic_save, atomic_write
+from ddp_utils.urls import fs_options, is_url, local_path
 
 SHARDED_SUFFIX = ".dcp"  # a folder of torch.distributed.checkpoint shards
 SUFFIXES = (".pt", SHARDED_SUFFIX)
+META = "meta.pt"  # a sharded checkpoint's plain part
+COMMIT = ".complete"  # on a store: the marker that makes a step count
+STEP = re.compile(r"^step_(\d+)(\.pt|\.dcp)$")
+UPLOAD_BLOCK = 64 << 20  # a multipart upload's part size
+
+
+def step_name(step: int, suffix: str) -> str:
+    return f"step_{step:08d}{suffix}"
+
+
+def marker_name(name: str) -> str:
+    """``best.pt`` -> ``best.json``: the store's marker for a name local folders give a file."""
+    return f"{name.split('.')[0]}.json"
+
+
+class Storage:
+    """A checkpoint folder: where each step goes, what is complete, how it is read back.
+    ``where`` is its path or URL as the user gave it."""
+
+    where: str
+    is_local: bool
+
+    def ref(self, name: str) -> str:
+        """A checkpoint's path or URL, as messages and ``resume=`` give it."""
+        return f"{self.where.rstrip('/')}/{name}"
+
+    # -- writing (the main rank, except the shards) ----------------------------------------
+    def write_file(self, name: str, state: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def begin_sharded(self, name: str) -> None:
+        """Before any rank writes ``name``'s shards: nothing stale where they go."""
+        raise NotImplementedError
+
+    def shard_writer(self, name: str) -> Any:
+        """The DCP storage writer for ``name``'s shards (every rank)."""
+        raise NotImplementedError
+
+    def commit(self, name: str, plain: dict[str, Any] | None, also: tuple[str, ...],
+               keep_last: int) -> None:  # fmt: skip
+        """Make ``name`` complete (a sharded one with its ``plain`` part), make ``last`` and
+        each name in ``also`` (``best.pt``) name it, drop all but the newest ``keep_last``."""
+        raise NotImplementedError
+
+    def abandon(self, name: str) -> None:
+        """Remove what a failed save left of ``name`` (best effort: the store may be down)."""
+        raise NotImplementedError
+
+    # -- reading ---------------------------------------------------------------------------
+    def complete(self) -> list[str]:
+        """The names of the complete checkpoints, newest first."""
+        raise NotImplementedError
+
+    def holds_any(self) -> bool:
+        """Whether any checkpoint, complete or not, is there."""
+        raise NotImplementedError
+
+    def shard_reader(self, name: str) -> Any:
+        raise NotImplementedError
+
+
+class LocalFolder(Storage):
+    """A folder on a local or shared file system; completeness by rename."""
+
+    is_local = True
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = Path(folder)
+        self.where = str(self.folder)
+
+    def ref(self, name: str) -> str:
+        return str(self.folder / name)
+
+    def write_file(self, name: str, state: dict[str, Any]) -> None:
+        atomic_save(state, self.folder / name)
+
+    def _tmp(self, name: str) -> Path:
+        return self.folder / f".{name}.tmp"
+
+    def begin_sharded(self, name: str) -> None:
+        remove(self._tmp(name))
+        self._tmp(name).mkdir(parents=True)
+
+    def shard_writer(self, name: str) -> Any:
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        return FileSystemWriter(self._tmp(name))
+
+    def shard_reader(self, name: str) -> Any:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        return FileSystemReader(name)
+
+    def commit(self, name: str, plain: dict[str, Any] | None, also: tuple[str, ...],
+               keep_last: int) -> None:  # fmt: skip
+        path = self.folder / name
+        if plain is not None:
+            tmp = self._tmp(name)
+            with removed_on_failure(tmp):
+                atomic_save(plain, tmp / META)
+            remove(path)
+            os.replace(tmp, path)
+        publish_step(path, self.folder, also, keep_last)
+
+    def abandon(self, name: str) -> None:
+        remove(self._tmp(name))
+
+    def complete(self) -> list[str]:
+        found = [p.name for p in reversed(step_checkpoints(self.folder))]
+        return found or [p.name for p in last_checkpoints(self.folder)]
+
+    def holds_any(self) -> bool:
+        return bool(step_checkpoints(self.folder)) or (self.folder / "last.pt").exists()
+
+
+class ObjectStore(Storage):
+    """A folder at an fsspec URL (an object store): completeness by a marker written last."""
+
+    is_local = False
+
+    def __init__(self, url: str, storage_options: dict[str, Any]) -> None:
+        import fsspec
+
+        self.where = url.rstrip("/")
+        self.options = fs_options(url, storage_options)
+        try:
+            self.fs, self.base = fsspec.core.url_to_fs(self.where, **self.options)
+        except (ImportError, ValueError) as e:
+            raise ConfigError(f"trainer.checkpoint.dir={url}: {e} (S3 needs s3fs: pip install "
+                              "s3fs; GCS gcsfs).") from None  # fmt: skip
+        self.base = self.base.rstrip("/")
+
+    def _path(self, name: str) -> str:
+        return f"{self.base}/{name}"
+
+    def write_file(self, name: str, state: dict[str, Any]) -> None:
+        # A multipart upload, part by part as torch.save writes (never the whole in memory)
+        with self.fs.open(self._path(name), "wb", block_size=UPLOAD_BLOCK) as f:
+            torch.save(state, f)
+
+    def write_json(self, name: str, record: dict[str, Any]) -> None:
+        self.fs.pipe_file(self._path(name), json.dumps(record).encode())
+
+    def read_json(self, name: str) -> dict[str, Any] | None:
+        try:
+            return json.loads(self.fs.cat_file(self._path(name)))
+        except FileNotFoundError:
+            return None
+
+    def begin_sharded(self, name: str) -> None:
+        self.abandon(name)
+
+    def shard_writer(self, name: str) -> Any:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        # No rename on a store: each rank's file and .metadata go straight to their names
+        return FsspecWriter(self.ref(name), sync_files=False, **self.options)
+
+    def shard_reader(self, name: str) -> Any:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        return FsspecReader(name, **self.options)
+
+    def commit(self, name: str, plain: dict[str, Any] | None, also: tuple[str, ...],
+               keep_last: int) -> None:  # fmt: skip
+        if plain is not None:
+            self.write_file(f"{name}/{META}", plain)
+        step = int(STEP.match(name).group(1))  # type: ignore[union-attr]
+        record = {"step": step, "name": name, "time": time.time()}
+        self.write_json(name + COMMIT, record)  # from here on the step counts
+        for marker in ("last.pt", *also):
+            self.write_json(marker_name(marker), record)
+        self.retain(keep_last)
+
+    def named(self) -> set[str]:
+        """The steps a marker names (``best``, ``best_ema``, ``last``): kept past keep_last."""
+        names = set()
+        for info in self.fs.ls(self.base, detail=True):
+            base = info["name"].rsplit("/", 1)[-1]
+            if base.endswith(".json") and not base.startswith("step_"):
+                record = self.read_json(base)
+                if record and "name" in record:
+                    names.add(record["name"])
+        return names
+
+    def retain(self, keep_last: int) -> None:
+        """All but the newest ``keep_last`` complete steps go (marker first, so a removal cut
+        short leaves an incomplete step, never a complete one with missing parts), and so
+        does every incomplete step older than the newest complete one."""
+        done = self.complete()
+        keep = set(done[:keep_last]) | self.named()
+        newest = STEP.match(done[0]).group(1) if done else ""  # type: ignore[union-attr]
+        for name in self.steps():
+            committed = name in done
+            if name in keep or (not committed and STEP.match(name).group(1) >= newest):  # type: ignore[union-attr]
+                continue
+            if committed:
+                self.fs.rm(self._path(name + COMMIT))
+            self.remove(name)
+
+    def remove(self, name: str) -> None:
+        with suppress(FileNotFoundError):
+            self.fs.rm(self._path(name), recursive=True)
+
+    def abandon(self, name: str) -> None:
+        # The store may be what failed: a step left without its marker is ignored by name
+        with suppress(Exception):
+            self.remove(name)
+
+    def steps(self) -> list[str]:
+        """Every ``step_<N>.pt`` / ``step_<N>.dcp`` there, complete or not, oldest first."""
+        try:
+            entries = self.fs.ls(self.base, detail=False, refresh=True)
+        except FileNotFoundError:
+            return []
+        names = {e.rstrip("/").rsplit("/", 1)[-1] for e in entries}
+        return sorted(n for n in names if STEP.match(n))
+
+    def complete(self) -> list[str]:
+        try:
+            entries = self.fs.ls(self.base, detail=False, refresh=True)
+        except FileNotFoundError:
+            return []
+        names = {e.rstrip("/").rsplit("/", 1)[-1] for e in entries}
+        done = [n for n in names if STEP.match(n) and n + COMMIT in names]
+        return sorted(done, reverse=True)
+
+    def holds_any(self) -> bool:
+        return bool(self.steps())
+
+    def resolve(self, name: str) -> str:
+        """A step's name for ``name``: itself, or the step a marker (``last.pt``,
+        ``best.dcp``, ``best.json``) names."""
+        if STEP.match(name):
+            return name
+        record = self.read_json(marker_name(name))
+        if record is None:
+            raise ConfigError(f"checkpoint={self.ref(name)}: no such checkpoint (and no "
+                              f"{marker_name(name)} marker there).")  # fmt: skip
+        return record["name"]
+
+    def open(self, name: str) -> IO[bytes]:
+        """A whole step file's bytes, read into memory."""
+        return io.BytesIO(self.fs.cat_file(self._path(name)))
+
+    def is_complete(self, name: str) -> bool:
+        return self.fs.exists(self._path(name + COMMIT))
+
+
+def open_storage(where: str | Path, storage_options: dict[str, Any] | None = None) -> Storage:
+    """The checkpoint folder at ``where``: a local folder, or an fsspec URL."""
+    if is_url(where):
+        return ObjectStore(str(where), dict(storage_options or {}))
+    return LocalFolder(Path(local_path(str(where))))
+
+
+def run_storage(options: Any, run_dir: Path) -> Storage:
+    """``trainer.checkpoint.dir`` (``options``), or the run's own ``run_dir/checkpoints``."""
+    return open_storage(options.dir or checkpoint_dir(run_dir), options.storage_options)
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
@@ -27,7 +305,7 @@ def checkpoint_dir(run_dir: Path) -> Path:
 
 
 def step_path(ckpt_dir: Path, step: int, suffix: str) -> Path:
-    return ckpt_dir / f"step_{step:08d}{suffix}"
+    return ckpt_dir / step_name(step, suffix)
 
 
 def step_checkpoints(ckpt_dir: Path) -> list[Path]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -75,13 +75,49 @@ class ProfilerOptions:
 COMM_HOOKS = ("fp16", "bf16", "powersgd")  # DDP's built-in gradient compression hooks
 
 
-@dataclass
 class CheckpointOptions:
-    """Where and how checkpoints are written (ddp_utils/checkpoint/)."""
+    """Where and how checkpoints are written (ddp_utils/checkpoint/). ``async`` is a Python
+    keyword, so this schema is a dataclass with an ``__init__`` of its own (Hydra's key stays
+    ``trainer.checkpoint.async``); code reads it as ``background``."""
 
+    __annotations__ = {"dir": "str | None", "storage_options": "dict[str, Any]",
+                       "async": "bool", "retries": "int", "timeout_s": "float"}  # fmt: skip
+    # null = run_dir/checkpoints; a folder, or an fsspec URL (s3://bucket/prefix) where a
+    # fresh node finds them
+    dir = None
+    # fsspec's options for a URL (s3fs: endpoint_url, key, secret, client_kwargs, ...); S3
+    # also reads AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ... and its usual credential chain
+    storage_options = field(default_factory=dict)
+    # (async, below) true: the step pays for a copy of the state to host memory; writing
+    # and uploading go on in the background, one save at a time
+    # Saves in a row that may fail (reported, retried at the next checkpoint) before the run
+    # stops with exit code 75
+    retries = 3
     # How long a sharded (fsdp2) save's collectives wait for the slowest rank's write: a slow
     # file system can take far longer than trainer.timeout_s for a large model
-    timeout_s: float = 1800.0
+    timeout_s = 1800.0
+
+    def __init__(self, **values: Any) -> None:
+        for f in fields(self):
+            default = f.default_factory() if f.default is MISSING else f.default  # type: ignore[misc]
+            setattr(self, f.name, values.pop(f.name, default))
+        if values:
+            raise TypeError(f"trainer.checkpoint has no key {', '.join(sorted(values))}")
+
+    def __repr__(self) -> str:
+        return f"CheckpointOptions({vars(self)})"
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and vars(other) == vars(self)
+
+    @property
+    def background(self) -> bool:
+        """``trainer.checkpoint.async``."""
+        return bool(getattr(self, "async"))
+
+
+setattr(CheckpointOptions, "async", True)  # noqa: B010 - a keyword; see the class
+CheckpointOptions = dataclass(init=False, repr=False, eq=False)(CheckpointOptions)
 
 
 @dataclass
@@ -336,6 +372,7 @@ def check_run(cfg: TrainConfig) -> None:
         ("trainer.timeout_s", t.timeout_s),
         ("trainer.stop_poll_s", t.stop_poll_s),
         ("trainer.checkpoint.timeout_s", t.checkpoint.timeout_s),
+        ("trainer.checkpoint.retries", t.checkpoint.retries),
         ("trainer.log_every_steps", t.log_every_steps),
         ("trainer.ckpt_every_steps", t.ckpt_every_steps),
         ("trainer.keep_last", t.keep_last),

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddp_utils.checkpoint import diverged, resume, save
+from ddp_utils.checkpoint import diverged, finish_saves, resume, save
 from ddp_utils.checkpoint.state import COUNT, LOSS_SUM, SKIPPED
 from ddp_utils.config import TrainConfig
 from ddp_utils.data import resolve_data
@@ -195,7 +195,7 @@ def after_step(tr: Training, checkpoint_follows: bool) -> None:
         if tr.stop.diverged:
             raise diverged(tr, "the training loss")
         with tr.phase("checkpoint"):
-            save(tr)
+            save(tr, wait=True)  # written before the process leaves
         stopped = Preempted(tr.step, tr.stop.signum)
         if tr.rt.is_main:  # one line: every rank stops at this same step
             log.warning("%s: checkpoint written in run_dir=%s, exiting with code %d; relaunch the "
@@ -344,6 +344,7 @@ def fit(
             tr = build_training(cfg, rt, run.path, build_callbacks(cfg.callbacks, extra))
             try:
                 train_epochs(tr)
+                finish_saves(tr)  # the last save, which drawing and trackers overlapped
                 if (run.path / "metrics.jsonl").exists():
                     # Every rank: a sharded model is gathered, for a task that draws only.
                     whole = tr.strategy.whole_model() if tr.task.draws else None

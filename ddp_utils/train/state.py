@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torchmetrics import MetricCollection
 
+from ddp_utils.checkpoint.save import Checkpointer
 from ddp_utils.config import ConfigError, TrainConfig, TrainerConfig, as_plain_dict
 from ddp_utils.data import DataBundle, build_data
 from ddp_utils.dist import Runtime, side_group_timeout
@@ -118,6 +119,7 @@ class Training:
     # A ddp_utils.train.callbacks.CallbackList (that module's hooks take a Training, so this
     # one does not import it back).
     callbacks: Any
+    checkpointer: Checkpointer  # where saves go, and the one in flight
     metrics: MetricCollection  # validation's, reset for each model scored
     # This rank's (loss sum, its count, skipped images) of the epoch so far, on the device;
     # the count is the samples' (classification) or the counted pixels' (segmentation).
@@ -156,7 +158,10 @@ class Training:
 
     def close(self, drain: bool = True) -> None:
         """Stop the helpers: signal handlers, watchdog, progress bar, the trackers, the
-        loaders' workers."""
+        loaders' workers; without ``drain`` (a failed run) wait for a whole file's save in
+        flight, which needs no other rank."""
+        if not drain:
+            self.checkpointer.close(drain=False)
         self.stop.close(drain)
         self.watchdog.close()
         self.progress.end_epoch()
@@ -242,6 +247,7 @@ def build_training(cfg: TrainConfig, rt: Runtime, run_dir: Path, callbacks: Any)
         ),  # fmt: skip
         trackers=build_trackers(cfg.logger, cfg.logger_cfg, rt),
         callbacks=callbacks,
+        checkpointer=Checkpointer(t.checkpoint, run_dir, rt, t.keep_last),
         metrics=metrics,
         epoch_totals=torch.zeros(3, dtype=torch.float64, device=rt.device),
         utilisation=usage,

@@ -26,15 +26,12 @@ from typing import Any, TypeVar
 import fsspec
 
 from ddp_utils.config import ConfigError, UserError
+from ddp_utils.urls import fs_options
 
 T = TypeVar("T")
 FOLDER_RETRIES = 3  # a cache folder removed again while it is made anew
 RETRY_EXIT = 75  # EX_TEMPFAIL: the store was unreachable; the same command resumes
 CHUNK = 8 << 20
-# fsspec's S3 options that end a request to a store that stopped answering, so that the
-# retries (not a socket's default minutes) bound the wait
-S3_DEFAULTS = {"config_kwargs": {"connect_timeout": 5, "read_timeout": 20,
-                                 "retries": {"max_attempts": 2}}}  # fmt: skip
 
 
 _INHERITED: list[Any] = []  # store clients a forked process got from its parent
@@ -77,7 +74,7 @@ class Store:
     def __init__(self, root: str, storage_options: dict[str, Any], retries: int) -> None:
         self.root, self.retries = root.rstrip("/"), retries
         protocol = fsspec.utils.get_protocol(root)
-        self.options = {**(S3_DEFAULTS if protocol in ("s3", "s3a") else {}), **storage_options}
+        self.options = fs_options(root, storage_options)
         self._fs: Any = None
         self._pid = -1
         try:
