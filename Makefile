@@ -13,7 +13,7 @@ DEVICE ?= cpu
 export DEVICE
 
 .DEFAULT_GOAL := help
-.PHONY: help install train test test-fast docs lint format clean bench bench-gpu gpu-check bench-shards bench-data bench-seg bench-det bench-memory bench-comm bench-peer bench-profile bench-lm bench-nanogpt bench-poll recipes
+.PHONY: help install train test test-fast docs lint format clean bench bench-gpu gpu-check bench-shards bench-data bench-seg bench-det bench-memory bench-comm bench-peer bench-profile bench-lm bench-nanogpt bench-poll bench-checkpoint recipes
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -85,6 +85,10 @@ bench-nanogpt: $(STAMP)  ## language model: whole runs of nanoGPT's train.py (NA
 
 bench-poll: $(STAMP)  ## the stop poll's cost a step at world sizes 2, 8, 16, 32 on gloo, every step vs trainer.stop_poll_s (~5 min)
 	$(BIN)/python bench/bench_poll.py $(ARGS)
+
+bench-checkpoint: $(STAMP)  ## checkpoint saves: the step blocked, sync vs async, local vs S3, GPT-2 124M fsdp2 and ResNet-50 ddp; upload vs boto3 (~10 min)
+	$(BIN)/python -c "import boto3" 2>/dev/null || $(BIN)/python -m pip install -q -e '.[bench,s3]'
+	$(BIN)/python bench/bench_checkpoint.py $(ARGS)
 
 recipes: $(STAMP)  ## the recipes' accuracy over 3 held-out slices x 3 seeds x 3 lrs (~30 min)
 	$(BIN)/python bench/recipes.py

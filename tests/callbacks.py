@@ -230,3 +230,39 @@ class StateDump(Callback):
 def dump_state(path: Path, optimizer: bool = True) -> str:
     return (f"callbacks=[{{_target_:tests.callbacks.StateDump,path:{path},"
             f"optimizer:{str(optimizer).lower()}}}]")  # fmt: skip
+
+
+class SlowStore(Callback):
+    """Registers ``slows3://``: the S3 store, whose ``nth`` upload of a step file hangs for a
+    minute before it completes, after writing its name into ``mark`` (for a test to SIGKILL
+    the run while that save is in flight). Once ``mark`` exists (a relaunch), nothing hangs."""
+
+    def __init__(self, mark: str, nth: int = 2) -> None:
+        import fsspec
+        from s3fs import S3FileSystem
+
+        class SlowS3(S3FileSystem):
+            protocol = ("slows3",)
+            uploads = 0
+
+            def _open(self, path, mode="rb", **kwargs):
+                f = super()._open(path, mode, **kwargs)
+                if "w" not in mode or "/step_" not in path or not path.endswith(".pt"):
+                    return f
+                SlowS3.uploads += 1
+                if SlowS3.uploads == nth and not Path(mark).exists():
+                    done = f.close
+
+                    def close():
+                        Path(mark).write_text(path)
+                        time.sleep(60)
+                        done()
+
+                    f.close = close
+                return f
+
+        fsspec.register_implementation("slows3", SlowS3, clobber=True)
+
+
+def slow_store(mark: Path, nth: int = 2) -> str:
+    return f"{{_target_:tests.callbacks.SlowStore,mark:'{mark}',nth:{nth}}}"

@@ -28,8 +28,9 @@ sys.path.insert(0, str(ROOT))
 import torch._dynamo  # noqa: E402, F401
 import torch.distributed.checkpoint  # noqa: E402, F401
 
-from ddp_utils.checkpoint.format import write  # noqa: E402
+from ddp_utils.checkpoint.save import Checkpointer  # noqa: E402
 from ddp_utils.config import TrainerConfig  # noqa: E402
+from ddp_utils.config.schema import CheckpointOptions  # noqa: E402
 from ddp_utils.dist import barrier, init_distributed, shutdown  # noqa: E402
 from ddp_utils.strategy import build_strategy  # noqa: E402
 from ddp_utils.strategy.fsdp2 import FSDP2Strategy  # noqa: E402, F401
@@ -48,7 +49,10 @@ def rank_main(run_dir: Path) -> None:
             optimizer.zero_grad()
         state = {"model": strategy.model_state_dict(), "step": 3, "config": {},
                  "optimizer": strategy.optimizer_state_dict(optimizer)}  # fmt: skip
-        write(state, run_dir / "checkpoints", (), 1, rt, strategy.shards_parameters, 1800.0)
+        # in the background (the default), waited for as train.py does at its end
+        saver = Checkpointer(CheckpointOptions(), run_dir, rt, keep_last=1)
+        saver.save(state, (), strategy.shards_parameters)
+        saver.close()
         barrier()
     finally:
         shutdown()

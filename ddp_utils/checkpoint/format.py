@@ -61,14 +61,14 @@ def read_sharded(ckpt: dict[str, Any], template: dict[str, Any], alone: bool = F
 
 
 def read_all_shards(ckpt: dict[str, Any]) -> dict[str, Any]:
-    """Every sharded state of the checkpoint, whole, in this one process (what torch's
-    ``dcp_to_torch_save`` does, from a folder or a store)."""
-    import torch.distributed.checkpoint as dcp
+    """Every sharded state of the checkpoint, whole, in this one process: what torch's
+    ``format_utils.dcp_to_torch_save`` does, from a folder or a store."""
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     whole: dict[str, Any] = {}
-    dcp.load(whole, storage_reader=shard_reader(ckpt), planner=_EmptyStateDictLoadPlanner(),
-             no_dist=True)  # fmt: skip
+    _load_state_dict(whole, storage_reader=shard_reader(ckpt),
+                     planner=_EmptyStateDictLoadPlanner(), no_dist=True)  # fmt: skip
     return whole
 
 

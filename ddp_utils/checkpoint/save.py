@@ -15,6 +15,7 @@ failure the user must fix (a full disk) stops the run at once, as it always did.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 from collections.abc import Callable
@@ -80,10 +81,6 @@ class Checkpointer:
         self.failures = 0  # failed saves in a row
         self.newest: str | None = None  # the last complete checkpoint this run wrote
         self.done: list[str] = []  # complete since the caller last asked (``completed``)
-
-    @property
-    def where_key(self) -> str:
-        return "trainer.checkpoint.dir" if self.options.dir else "run_dir"
 
     def save(self, state: dict[str, Any], also: tuple[str, ...], sharded: bool,
              wait: bool = False) -> str:  # fmt: skip
@@ -164,9 +161,13 @@ class Checkpointer:
         return work
 
     def writing(self) -> Any:
-        """A full local disk becomes the one ``UnwritableError`` paragraph."""
-        folder = Path(self.storage.where) if self.storage.is_local else self.run_dir
-        return writing_into(folder, self.where_key)
+        """A full local disk becomes the one ``UnwritableError`` paragraph (a store's failures
+        are its own: reported and retried)."""
+        if not self.storage.is_local:
+            return contextlib.nullcontext()
+        if self.options.dir:
+            return writing_into(Path(self.storage.where), "trainer.checkpoint.dir")
+        return writing_into(self.run_dir, "run_dir")  # names its checkpoints/last.pt
 
     def settle(self) -> None:
         """Every rank: wait for the save in flight, then agree on the main rank's outcome: a

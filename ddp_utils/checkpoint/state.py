@@ -58,6 +58,9 @@ def capture(tr: TrainingState) -> dict[str, Any]:
 
     Plain tensors and containers only, so ``torch.load(weights_only=True)`` reads it.
     """
+    # Rank 0's running statistics, on every rank: a sharded checkpoint keeps one rank's copy
+    # of a buffer, and a resume must find the very ones the uninterrupted run goes on with.
+    tr.strategy.sync_buffers([tr.raw_model, *([tr.ema.module] if tr.ema is not None else [])])
     rng = [None] * tr.rt.world_size
     dist.all_gather_object(rng, capture_rng(tr.rt.device))
     epoch_totals = all_reduce_sum(tr.epoch_totals.clone()).cpu()
