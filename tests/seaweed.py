@@ -42,8 +42,8 @@ def free_ports(n: int) -> list[int]:
 class Seaweed:
     """``weed server -s3`` in ``folder``; ``endpoint`` is its S3 URL."""
 
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
+    def __init__(self, folder: Path, volumes: int = 10, volume_mb: int = 64) -> None:
+        self.folder, self.volumes, self.volume_mb = folder, volumes, volume_mb
         self.master, self.volume, self.filer, self.s3 = free_ports(4)
         self.endpoint = f"http://127.0.0.1:{self.s3}"
         self.proc: subprocess.Popen | None = None
@@ -62,7 +62,8 @@ class Seaweed:
                "-ip.bind=127.0.0.1", f"-master.port={self.master}",
                f"-volume.port={self.volume}", f"-filer.port={self.filer}", "-s3",
                f"-s3.port={self.s3}", f"-s3.config={config}", "-s3.port.iceberg=0",
-               "-s3.port.lance=0", "-volume.max=10", "-master.volumeSizeLimitMB=64"]  # fmt: skip
+               "-s3.port.lance=0", f"-volume.max={self.volumes}",
+               f"-master.volumeSizeLimitMB={self.volume_mb}"]  # fmt: skip
         log = open(self.folder / "weed.log", "ab")  # noqa: SIM115 - the server's, kept open
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True)
         self.wait_ready()

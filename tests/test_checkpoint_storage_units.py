@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ddp_utils.checkpoint.format import CorruptCheckpointError, load_checkpoint, newest_loadable
-from ddp_utils.checkpoint.save import Checkpointer, CheckpointsFailing, to_host
+from ddp_utils.checkpoint.save import Checkpointer, CheckpointsFailing
 from ddp_utils.checkpoint.storage import COMMIT, ObjectStore, open_storage
 from ddp_utils.config.schema import CheckpointOptions
 from ddp_utils.dist import Runtime
@@ -95,13 +95,24 @@ def test_a_background_save_writes_what_the_state_was_when_it_was_taken(url, back
     assert saver.completed() == [f"{url}/step_00000001.pt"]
 
 
-def test_the_copy_to_host_memory_shares_nothing_with_the_state():
+def test_the_copy_to_host_memory_shares_nothing_with_the_state(url):
+    saver = Checkpointer(options(url), None, RT, keep_last=2)
     live = {"a": [torch.ones(2), (torch.zeros(1), 3)], "b": {"c": torch.arange(3)}, "n": None}
-    copy = to_host(live)
+    copy = saver.staged(live)
     live["a"][0].add_(1)
     live["b"]["c"].zero_()
     assert torch.equal(copy["a"][0], torch.ones(2)) and torch.equal(copy["b"]["c"], torch.arange(3))
     assert isinstance(copy["a"][1], tuple) and copy["a"][1][1] == 3 and copy["n"] is None
+
+
+@pytest.mark.parametrize("device, pinned", [("cpu", False), ("cuda", True)])
+def test_a_gpus_state_is_copied_into_pinned_memory(device, pinned):
+    """The CUDA branch's choice, made without a GPU (the options only; no copy)."""
+    from ddp_utils.checkpoint.save import staging_options
+
+    chosen = staging_options(torch.device(device))
+    assert chosen.use_pinned_memory is pinned and chosen.use_non_blocking_copy is pinned
+    assert not chosen.use_shared_memory and not chosen.use_async_staging
 
 
 class FailingUpload:

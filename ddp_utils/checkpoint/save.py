@@ -3,8 +3,9 @@ hands it to the run's ``Checkpointer``, which writes it to its storage in the st
 ``trainer.checkpoint.async`` (the default), in the background.
 
 A background save costs the step one copy of the state to host memory (pinned where CUDA is
-present); a whole file is then written by a thread of the main rank, a sharded one by DCP's
-``async_save`` on every rank, over a gloo group of its own. At most one save is in flight:
+present; torch's ``DefaultStager``, whose buffers serve every save); a whole file is then
+written by a thread of the main rank, a sharded one by DCP's ``async_save`` on every rank,
+over a gloo group of its own. At most one save is in flight:
 the next save, a stop signal's save and the end of training wait for it first.
 
 A save that fails for a cause that may pass (the store did not answer) is reported once, with
@@ -81,6 +82,7 @@ class Checkpointer:
         self.failures = 0  # failed saves in a row
         self.newest: str | None = None  # the last complete checkpoint this run wrote
         self.done: list[str] = []  # complete since the caller last asked (``completed``)
+        self.stager: Any = None  # made at the first background save
 
     def save(self, state: dict[str, Any], also: tuple[str, ...], sharded: bool,
              wait: bool = False) -> str:  # fmt: skip
@@ -108,7 +110,7 @@ class Checkpointer:
         if not self.rt.is_main:
             return None
         if background:
-            state = to_host(state)  # the step goes on changing the live tensors
+            state = self.staged(state)  # the step goes on changing the live tensors
 
         def work() -> None:
             with self.writing():
@@ -142,7 +144,8 @@ class Checkpointer:
         group = checkpoint_group(self.options.timeout_s)
         writer = self.storage.shard_writer(name)
         if background:
-            future = dcp.async_save(shards, storage_writer=writer, process_group=group)
+            future = dcp.async_save(shards, storage_writer=writer, process_group=group,
+                                    async_stager=self.stager_())  # fmt: skip
             written: Callable[[], Any] = future.result
         else:
             written = lambda: dcp.save(shards, storage_writer=writer, process_group=group)  # noqa: E731
@@ -159,6 +162,19 @@ class Checkpointer:
                     self.storage.commit(name, plain, also, self.keep_last)
 
         return work
+
+    def stager_(self) -> Any:
+        """The copier to host memory, made at the first background save and kept: its buffers
+        (pinned, from a GPU) serve every save, which never overlap."""
+        if self.stager is None:
+            from torch.distributed.checkpoint.staging import DefaultStager
+
+            self.stager = DefaultStager(staging_options(self.rt.device))
+        return self.stager
+
+    def staged(self, state: dict[str, Any]) -> dict[str, Any]:
+        """A copy of ``state`` in host memory that the next steps do not touch."""
+        return self.stager_().stage(state)
 
     def writing(self) -> Any:
         """A full local disk becomes the one ``UnwritableError`` paragraph (a store's failures
@@ -234,6 +250,9 @@ class Checkpointer:
         for: it needs no other rank."""
         if drain:
             self.settle()
+            if self.stager is not None:
+                self.stager.close()  # its host copy of the state
+                self.stager = None
             if self.failures:
                 raise CheckpointsFailing(
                     f"the run's last checkpoint could not be written to {self.storage.where}. "
@@ -244,28 +263,14 @@ class Checkpointer:
             self.pending.wait()
 
 
-def to_host(state: Any) -> Any:
-    """A copy of ``state`` that the step's updates do not touch: tensors copied to host
-    memory (pinned, from a GPU), containers rebuilt, the rest deep-copied."""
-    pinned: list[torch.Tensor] = []
+def staging_options(device: torch.device) -> Any:
+    """How a background save copies the state to host memory: from a GPU into pinned memory,
+    without blocking the stream until the copies are queued."""
+    from torch.distributed.checkpoint.staging import StagingOptions
 
-    def copy_of(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            if value.is_cuda:
-                host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
-                pinned.append(host.copy_(value.detach(), non_blocking=True))
-                return host
-            return value.detach().clone()
-        if isinstance(value, dict):
-            return type(value)((k, copy_of(v)) for k, v in value.items())
-        if isinstance(value, (list, tuple)):
-            return type(value)(copy_of(v) for v in value)
-        return copy.deepcopy(value)
-
-    out = copy_of(state)
-    if pinned:
-        torch.cuda.synchronize()  # the copies are done before the writer reads them
-    return out
+    cuda = device.type == "cuda"
+    return StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                          use_async_staging=False, use_non_blocking_copy=cuda)  # fmt: skip
 
 
 def save(tr: TrainingState, also: tuple[str, ...] = (), wait: bool = False) -> None:
