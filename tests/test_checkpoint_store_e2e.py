@@ -7,17 +7,19 @@ reported, and the saves succeed once it is back."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 from callbacks import slow, slow_store
-from helpers.launch import child_env, command, run_script
+from helpers.launch import child_env, command, run_forked, run_script
 from helpers.paths import ROOT
 from seaweed import Seaweed, weed_binary
 
@@ -129,6 +131,19 @@ def test_a_killed_ddp_run_resumes_from_the_store_on_a_fresh_node(tmp_path, aws, 
     assert not list((tmp_path / "node2").rglob("step_*"))  # nothing of it on the node
     assert_equal_params(final_params("s3://ckpt/ddp/last.pt"), final_params(reference["ddp"]))
     assert len(complete_steps(store, "ddp")) == 2  # keep_last on the store
+    # eval.py reads the URL; the export of it as one file gives eval.py the same numbers
+    whole = tmp_path / "best.pt"
+    exported = subprocess.run([sys.executable, "-m", "ddp_utils.checkpoint", "export",
+                               "s3://ckpt/ddp/best.pt", str(whole)], cwd=ROOT,
+                              env=child_env(**aws), capture_output=True, text=True)  # fmt: skip
+    assert "wrote" in exported.stdout, exported.stderr
+    scores = []
+    for checkpoint in ("s3://ckpt/ddp/best.pt", whole):
+        out = tmp_path / f"eval{len(scores)}.json"
+        done = run_forked("eval.py", f"checkpoint={checkpoint}", f"output={out}", env=aws)
+        assert done.returncode == 0, done.stderr[-3000:]
+        scores.append(json.loads(out.read_text()))
+    assert scores[0]["accuracy"] == scores[1]["accuracy"] and scores[0]["loss"] == scores[1]["loss"]
 
 
 def test_a_killed_fsdp2_run_resumes_from_the_store_at_the_same_and_another_world_size(

@@ -38,8 +38,9 @@ class Callback:
     def on_epoch_end(self, tr: Training, record: dict[str, Any]) -> None:
         """After validation; ``record`` is the epoch's line of metrics.jsonl."""
 
-    def on_checkpoint(self, tr: Training, path: Path) -> None:
-        """After a checkpoint is written and every rank has waited for it."""
+    def on_checkpoint(self, tr: Training, path: Path | str) -> None:
+        """Once a checkpoint is complete and every rank knows it (a background save's at the
+        next save or the end of training); a URL for one on a store."""
 
     def on_train_end(self, tr: Training) -> None:
         """After the last epoch (not after a stop or a crash)."""
@@ -67,7 +68,7 @@ class CallbackList(Callback):
         for cb in self.callbacks:
             cb.on_epoch_end(tr, record)
 
-    def on_checkpoint(self, tr: Training, path: Path) -> None:
+    def on_checkpoint(self, tr: Training, path: Path | str) -> None:
         for cb in self.callbacks:
             cb.on_checkpoint(tr, path)
 
