@@ -6,6 +6,7 @@ callbacks=[{_target_:tests.callbacks.SampleRecorder,folder:/tmp/rec}]
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -245,21 +246,13 @@ class SlowStore(Callback):
             protocol = ("slows3",)
             uploads = 0
 
-            def _open(self, path, mode="rb", **kwargs):
-                f = super()._open(path, mode, **kwargs)
-                if "w" not in mode or "/step_" not in path or not path.endswith(".pt"):
-                    return f
-                SlowS3.uploads += 1
-                if SlowS3.uploads == nth and not Path(mark).exists():
-                    done = f.close
-
-                    def close():
-                        Path(mark).write_text(path)
-                        time.sleep(60)
-                        done()
-
-                    f.close = close
-                return f
+            async def _put_file(self, lpath, rpath, *args, **kwargs):
+                if "/step_" in rpath and rpath.endswith(".pt"):
+                    SlowS3.uploads += 1
+                    if SlowS3.uploads == nth and not Path(mark).exists():
+                        Path(mark).write_text(rpath)
+                        await asyncio.sleep(60)
+                return await super()._put_file(lpath, rpath, *args, **kwargs)
 
         fsspec.register_implementation("slows3", SlowS3, clobber=True)
 

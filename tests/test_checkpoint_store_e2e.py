@@ -23,8 +23,8 @@ from helpers.launch import child_env, command, run_forked, run_script
 from helpers.paths import ROOT
 from seaweed import Seaweed, weed_binary
 
-# 2 epochs of 71 steps at world size 2 (data.batch_size=10 a process): checkpoints every 6
-RUN = ("trainer.epochs=2", "data.batch_size=10", "data.global_batch_size=20",
+# 1 epoch of 71 steps at world size 2 (data.batch_size=10 a process): checkpoints every 6
+RUN = ("trainer.epochs=1", "data.batch_size=10", "data.global_batch_size=20",
        "trainer.ckpt_every_steps=6", "trainer.keep_last=2", "logger=none",
        "trainer.precision=32", "trainer.progress=false", "data.num_workers=0")  # fmt: skip
 # The MLP (no BatchNorm): another world size then changes only the order of the sums

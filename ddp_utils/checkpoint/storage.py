@@ -257,23 +257,21 @@ class ObjectStore(Storage):
         with suppress(Exception):
             self.remove(name)
 
+    def listing(self) -> set[str]:
+        """The names in the folder, fresh from the store (never a cached listing)."""
+        try:
+            entries = self.fs.ls(self.base, detail=False, refresh=True)
+        except FileNotFoundError:
+            return set()
+        return {e.rstrip("/").rsplit("/", 1)[-1] for e in entries}
+
     def steps(self) -> list[str]:
         """Every ``step_<N>.pt`` / ``step_<N>.dcp`` there, complete or not, oldest first."""
-        try:
-            entries = self.fs.ls(self.base, detail=False, refresh=True)
-        except FileNotFoundError:
-            return []
-        names = {e.rstrip("/").rsplit("/", 1)[-1] for e in entries}
-        return sorted(n for n in names if STEP.match(n))
+        return sorted(n for n in self.listing() if STEP.match(n))
 
     def complete(self) -> list[str]:
-        try:
-            entries = self.fs.ls(self.base, detail=False, refresh=True)
-        except FileNotFoundError:
-            return []
-        names = {e.rstrip("/").rsplit("/", 1)[-1] for e in entries}
-        done = [n for n in names if STEP.match(n) and n + COMMIT in names]
-        return sorted(done, reverse=True)
+        names = self.listing()
+        return sorted((n for n in names if STEP.match(n) and n + COMMIT in names), reverse=True)
 
     def holds_any(self) -> bool:
         return bool(self.steps())
