@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -96,7 +97,24 @@ def to_hf_folder(src: str, dst: Path, ema: bool = False) -> None:
     if unexpected or set(missing) - tied:
         raise AssertionError(f"hf_export() does not fit {config_class}: {missing}, {unexpected}")
     hf.save_pretrained(dst, safe_serialization=True)
+    copy_tokenizer(getattr(model, "hf_source", None), dst)
     atomic_write_text(dst / "ddp_recipes.json", json.dumps({"config": record}, indent=1) + "\n")
+
+
+# A Hugging Face folder's tokenizer: what the tools that load the export read with the model
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model",
+                   "generation_config.json")  # fmt: skip
+
+
+def copy_tokenizer(source: Path | None, dst: Path) -> None:
+    """The base model folder's tokenizer files and chat template, beside the exported weights
+    (a model fine-tuned from ``model.pretrained``)."""
+    if source is None:
+        return
+    for name in TOKENIZER_FILES:
+        if (Path(source) / name).is_file():
+            shutil.copy2(Path(source) / name, dst / name)
 
 
 def export(src: str, dst: Path, fmt: str, ema: bool = False) -> None:

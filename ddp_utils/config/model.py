@@ -188,18 +188,28 @@ class GPTModel(ModelConfig):
 
 @dataclass
 class HFModel(ModelConfig):
-    """model=hf: a Hugging Face transformers causal LM built from its configuration alone
-    (no weights are fetched), sized by data.vocab_size and data.block_size (the [hf] extra)."""
+    """model=hf: a Hugging Face transformers causal LM, built from its configuration alone
+    (sized by data.vocab_size and data.block_size) or loaded with its weights from
+    ``model.pretrained`` (the [hf] extra)."""
 
     _target_: str = "ddp_utils.models.zoo.hf_causal_lm"
     name: str = "hf"
     arch: str = "gpt2"  # a model type of transformers' CONFIG_MAPPING
     # The configuration's own keys, e.g. {n_layer: 4, n_head: 4, n_embd: 128}
     overrides: dict[str, Any] = field(default_factory=dict)
+    # A Hugging Face model folder (config.json, *.safetensors) or its fsspec URL: its
+    # architecture and weights, read without any network access (model.arch is not used)
+    pretrained: str | None = None
+
+    def describe(self) -> str:
+        if self.pretrained:
+            return f"model=hf model.pretrained={self.pretrained}"
+        return super().describe()
 
     def check(self) -> None:
-        if not self.arch:
-            raise ConfigError("model=hf needs model.arch=NAME (gpt2, llama, ...).")
+        if not self.arch and not self.pretrained:
+            raise ConfigError("model=hf needs model.arch=NAME (gpt2, llama, ...) or "
+                              "model.pretrained=FOLDER.")  # fmt: skip
 
 
 @dataclass

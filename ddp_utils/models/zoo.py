@@ -5,6 +5,7 @@ installed."""
 from __future__ import annotations
 
 import difflib
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -177,23 +178,40 @@ class CausalLM(nn.Module):
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
+        self.hf_source: Path | None = None  # the pretrained folder it was loaded from
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=idx, use_cache=False).logits
 
+    def hf_export(self) -> tuple[str, dict[str, Any], dict[str, torch.Tensor]]:
+        """Its own transformers configuration and weights, as they are."""
+        config = self.model.config
+        return type(config).__name__, config.to_dict(), self.model.state_dict()
+
 
 def hf_causal_lm(
-    arch: str, vocab_size: int, block_size: int, overrides: dict[str, Any] | None = None
+    arch: str,
+    vocab_size: int,
+    block_size: int,
+    overrides: dict[str, Any] | None = None,
+    pretrained: str | None = None,
 ) -> nn.Module:
     """model=hf: ``transformers``' ``arch`` built from its configuration class alone (no
     weights or files fetched), with ``vocab_size``, the context ``block_size`` and
-    ``model.overrides`` (the configuration's own keys)."""
+    ``model.overrides`` (the configuration's own keys); or, with ``pretrained``, the model
+    folder's own architecture and weights."""
     try:
         from transformers import CONFIG_MAPPING, AutoModelForCausalLM
     except ImportError:
         raise ConfigError(
             "model=hf needs the transformers package: pip install -e '.[hf]'."
         ) from None
+    if pretrained:
+        from ddp_utils.models.pretrained import load_causal_lm, model_folder
+
+        model = CausalLM(load_causal_lm(pretrained, vocab_size, overrides or {}))
+        model.hf_source = model_folder(pretrained)  # its tokenizer files, for the export
+        return model
     if arch not in CONFIG_MAPPING:
         names = sorted(CONFIG_MAPPING.keys())
         close = difflib.get_close_matches(arch, names, n=5, cutoff=0.5)
