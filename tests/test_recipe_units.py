@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -87,6 +88,32 @@ def test_weights_load_and_a_head_of_another_class_count_is_reinitialised(tmp_pat
     with pytest.raises(ConfigError, match="does not match the model: missing"):
         build_model(replace(mlp, weights=str(tmp_path / "w.pt")),
                     DataConfig())  # fmt: skip
+
+
+def test_a_torchvision_weights_name_is_read_from_the_hub_cache_without_network(
+    tmp_path, monkeypatch, caplog
+):
+    """``model.weights=ResNet18_Weights.IMAGENET1K_V1``: the file torchvision would have
+    downloaded, found in $TORCH_HOME/hub/checkpoints; a 1000-class head is replaced for the
+    data's classes, and the log names it. Missing, the path to put it at is named."""
+    import torchvision
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    cfg = replace(torchvision_cfg("resnet18"), weights="ResNet18_Weights.IMAGENET1K_V1")
+    data = DataConfig(image_size=96, num_classes=10, **RGB)
+    url = torchvision.models.get_weight("ResNet18_Weights.IMAGENET1K_V1").url
+    cached = tmp_path / "torch" / "hub" / "checkpoints" / Path(url).name
+    with pytest.raises(ConfigError, match=f"{cached} is not in the torch hub cache"):
+        build_model(cfg, data)
+    imagenet = torchvision.models.resnet18()  # what the download would hold: 1000 classes
+    cached.parent.mkdir(parents=True)
+    torch.save(imagenet.state_dict(), cached)
+    with caplog.at_level("INFO", logger="ddp_recipes"):
+        model = build_model(cfg, data)
+    assert torch.equal(model.layer4[1].conv2.weight, imagenet.layer4[1].conv2.weight)
+    assert model.fc.out_features == 10 and "fc.weight" in caplog.text
+    with pytest.raises(ConfigError, match="neither a file nor a torchvision weights name"):
+        build_model(replace(cfg, weights="ResNet18_Weights.NOPE"), data)
 
 
 def test_label_smoothing_is_the_textbook_formula():

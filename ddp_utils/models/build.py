@@ -3,6 +3,8 @@ config; ``model.weights=PATH`` then loads a local state dict."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -71,9 +73,37 @@ def classifier_keys(model: nn.Module) -> set[str]:
     return {f"{linears[-1]}.{p}" for p, _ in model.get_submodule(linears[-1]).named_parameters()}
 
 
+WEIGHTS_NAME = re.compile(r"^\w+_Weights\.\w+$")  # torchvision's: ResNet50_Weights.IMAGENET1K_V2
+
+
+def hub_file(name: str, key: str) -> str:
+    """A torchvision weights name as its file in the torch hub cache ($TORCH_HOME/hub/
+    checkpoints, where torchvision keeps what it downloaded), never downloaded here: an
+    offline cluster's nodes read what was fetched once elsewhere."""
+    import torchvision
+
+    try:
+        weights = torchvision.models.get_weight(name)
+    except (ValueError, KeyError, AttributeError):
+        raise ConfigError(f"{key}={name} is neither a file nor a torchvision weights name "
+                          "(such as ResNet50_Weights.IMAGENET1K_V2).") from None  # fmt: skip
+    path = Path(torch.hub.get_dir()) / "checkpoints" / Path(weights.url).name
+    if not path.is_file():
+        raise ConfigError(
+            f"{key}={name}: {path} is not in the torch hub cache, and nothing is downloaded "
+            f"here. Fetch it where there is a network (torchvision.models.get_weight('{name}')"
+            ".get_state_dict()) and copy it to that path (TORCH_HOME sets the folder), or give "
+            "the file's path."
+        )
+    return str(path)
+
+
 def read_state_dict(path: str, key: str) -> dict[str, torch.Tensor]:
-    """A state dict saved with ``torch.save`` (bare, or a train.py checkpoint's ``model``),
-    read with ``weights_only=True``; ``key`` names the config key in the errors."""
+    """A state dict saved with ``torch.save`` (bare, or a train.py checkpoint's ``model``), or
+    a torchvision weights name found in the torch hub cache, read with ``weights_only=True``;
+    ``key`` names the config key in the errors."""
+    if WEIGHTS_NAME.match(path) and not Path(path).exists():
+        path = hub_file(path, key)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
