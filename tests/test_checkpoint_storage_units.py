@@ -195,3 +195,42 @@ def test_a_url_given_to_a_tool_is_read_with_the_environments_credentials(url, mo
     ckpt = load_checkpoint(f"{url}/best.pt")
     assert ckpt["step"] == 3 and torch.equal(ckpt["model"]["w"], torch.full((3,), 2.0))
     assert SimpleNamespace(**ckpt).config == {"seed": 0}
+
+
+def sharded_state(step: int, value: float) -> dict:
+    return {"model": {"w": torch.full((4,), value)}, "optimizer": {"m": torch.zeros(2)},
+            "step": step, "config": {"seed": 0}, "world_size": 1}  # fmt: skip
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_a_sharded_checkpoint_on_a_store_commits_after_its_shards(url, background):
+    from ddp_utils.checkpoint.format import read_all_shards
+
+    saver = Checkpointer(options(url, **{"async": background}), None, RT, keep_last=1)
+    live = sharded_state(3, 1.0)
+    saver.save(live, ("best.pt",), sharded=True)
+    live["model"]["w"].fill_(7.0)  # the step goes on
+    saver.close()
+    assert saver.storage.complete() == ["step_00000003.dcp"]
+    ckpt = load_checkpoint(f"{url}/best.pt")  # the marker names the folder
+    assert ckpt["sharded"] == ["model", "optimizer"] and ckpt["step"] == 3
+    assert torch.equal(read_all_shards(ckpt)["model"]["w"], torch.full((4,), 1.0))
+
+
+def test_a_sharded_save_that_fails_is_reported_and_leaves_no_complete_step(url, tmp_path, caplog):
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    saver = Checkpointer(options(url, retries=2), None, RT, keep_last=2)
+    saver.save(sharded_state(1, 1.0), (), sharded=True)
+    saver.settle()
+    (tmp_path / "not-a-folder").write_text("")
+    good = saver.storage.shard_writer
+    saver.storage.shard_writer = lambda name: FileSystemWriter(tmp_path / "not-a-folder" / name)
+    with caplog.at_level(logging.WARNING, logger=LOGGER_NAME):
+        saver.save(sharded_state(2, 2.0), (), sharded=True)
+        saver.storage.shard_writer = good  # the store is back
+        saver.save(sharded_state(3, 3.0), (), sharded=True)  # reports step 2's failure
+        saver.close()
+    reports = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
+    assert len(reports) == 1 and "step_00000002.dcp" in reports[0]
+    assert saver.storage.complete() == ["step_00000003.dcp", "step_00000001.dcp"]
