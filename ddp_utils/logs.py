@@ -36,6 +36,10 @@ def setup_logging(run_dir: Path | None, rt: Runtime, name: str = "train") -> log
     log.handlers.clear()
     log.propagate = False
     log.setLevel(logging.INFO)
+    # An object store's clients log INFO lines on every run ("Found credentials in
+    # environment variables"), which Hydra's root handler would print among ours
+    for chatty in ("botocore", "aiobotocore", "s3fs"):
+        logging.getLogger(chatty).setLevel(logging.WARNING)
     if rt.is_main:
         console = logging.StreamHandler(sys.stdout)
         console.setFormatter(logging.Formatter("%(message)s"))

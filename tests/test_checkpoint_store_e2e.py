@@ -128,6 +128,7 @@ def test_a_killed_ddp_run_resumes_from_the_store_on_a_fresh_node(tmp_path, aws, 
     kill_after(proc, lambda: any(s >= 12 for s in complete_steps(store, "ddp")))
     out = finish(tmp_path / "node2", *args, nproc=2, env=aws)
     assert "resumed from s3://ckpt/ddp/step_" in out, out[-3000:]
+    assert "Found credentials" not in out  # the store client's chatter stays out of the log
     assert not list((tmp_path / "node2").rglob("step_*"))  # nothing of it on the node
     assert_equal_params(final_params("s3://ckpt/ddp/last.pt"), final_params(reference["ddp"]))
     assert len(complete_steps(store, "ddp")) == 2  # keep_last on the store
