@@ -312,10 +312,6 @@ def checkpoint_dir(run_dir: Path) -> Path:
     return run_dir / "checkpoints"
 
 
-def step_path(ckpt_dir: Path, step: int, suffix: str) -> Path:
-    return ckpt_dir / step_name(step, suffix)
-
-
 def step_checkpoints(ckpt_dir: Path) -> list[Path]:
     """``step_*.pt`` files and ``step_*.dcp`` folders, oldest first."""
     return sorted(p for p in ckpt_dir.glob("step_*") if p.suffix in SUFFIXES)
