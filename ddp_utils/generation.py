@@ -38,13 +38,13 @@ def load_generator(cfg: GenerateConfig, device: torch.device) -> tuple[nn.Module
     return model.to(device), from_spec(spec), train_cfg.data.block_size
 
 
-def encode_prompt(tokenizer: Tokenizer, prompt: str) -> list[int]:
+def encode_prompt(tokenizer: Tokenizer, prompt: str, chat: bool | None = None) -> list[int]:
     try:
-        ids = tokenizer.encode(prompt).tolist()
+        ids = tokenizer.prompt(prompt, chat).tolist()
     except ValueError as e:
         raise ConfigError(
-            f"prompt={prompt!r} has {e} ({tokenizer.kind} tokenizer of the checkpoint); use "
-            "characters of the training text."
+            f"prompt={prompt!r}: {e} ({tokenizer.kind} tokenizer of the checkpoint); use "
+            "characters of the training text, or chat=false."
         ) from None
     if not ids:
         # A shell and Hydra pass '\n' on as a backslash and an n: the default is the newline.
@@ -62,9 +62,11 @@ def sample(
     block_size: int,
     vocab: int,
     device: torch.device,
+    stop: set[int] | None = None,
 ) -> list[list[int]]:
-    """``num_samples`` continuations of ``ids``, ``max_new_tokens`` each (in eval mode,
-    without gradients)."""
+    """``num_samples`` continuations of ``ids``, ``max_new_tokens`` each or up to an id of
+    ``stop`` (in eval mode, without gradients)."""
+    stop = stop or set()
     g = torch.Generator(device=device).manual_seed(cfg.seed)
     x = torch.tensor(ids, dtype=torch.long, device=device).repeat(cfg.num_samples, 1)
     with eval_mode(model):
@@ -80,7 +82,15 @@ def sample(
                     logits = logits.masked_fill(logits < kth, -torch.inf)
                 nxt = torch.multinomial(logits.softmax(-1), 1, generator=g)
             x = torch.cat([x, nxt], dim=1)
-    return x[:, len(ids) :].tolist()
+            if stop and all(any(i in stop for i in row) for row in x[:, len(ids) :].tolist()):
+                break  # every sample has ended
+    return [until(row, stop) for row in x[:, len(ids) :].tolist()]
+
+
+def until(ids: list[int], stop: set[int]) -> list[int]:
+    """``ids`` up to (without) the first end-of-sequence id."""
+    ends = [k for k, i in enumerate(ids) if i in stop]
+    return ids[: ends[0]] if ends else ids
 
 
 def run_generate(cfg: GenerateConfig) -> list[str]:
@@ -90,11 +100,10 @@ def run_generate(cfg: GenerateConfig) -> list[str]:
         raise ConfigError("device=cuda but no CUDA device is visible; use device=cpu.")
     device = torch.device("cuda" if want_cuda else "cpu")
     model, tokenizer, block_size = load_generator(cfg, device)
-    ids = encode_prompt(tokenizer, cfg.prompt)
-    texts = [
-        cfg.prompt + tokenizer.decode(s)
-        for s in sample(model, ids, cfg, block_size, tokenizer.vocab_size, device)
-    ]
+    ids = encode_prompt(tokenizer, cfg.prompt, cfg.chat)
+    samples = sample(model, ids, cfg, block_size, tokenizer.vocab_size, device,
+                     tokenizer.stop_ids())  # fmt: skip
+    texts = [cfg.prompt + tokenizer.decode(s) for s in samples]
     for i, text in enumerate(texts):
         print(f"--- sample {i} (seed {cfg.seed}) ---\n{text}", flush=True)
     if cfg.output:

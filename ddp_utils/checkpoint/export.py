@@ -34,6 +34,7 @@ from ddp_utils.checkpoint.format import (
 )
 from ddp_utils.checkpoint.inference import inference_model
 from ddp_utils.config import ConfigError, UserError, from_record, to_schema
+from ddp_utils.data.text.tokenizer import HF_TOKENIZER_FILES
 from ddp_utils.files import atomic_save, atomic_write_text
 
 FORMATS = ("torch", "safetensors", "hf")
@@ -101,18 +102,12 @@ def to_hf_folder(src: str, dst: Path, ema: bool = False) -> None:
     atomic_write_text(dst / "ddp_recipes.json", json.dumps({"config": record}, indent=1) + "\n")
 
 
-# A Hugging Face folder's tokenizer: what the tools that load the export read with the model
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model",
-                   "generation_config.json")  # fmt: skip
-
-
 def copy_tokenizer(source: Path | None, dst: Path) -> None:
     """The base model folder's tokenizer files and chat template, beside the exported weights
     (a model fine-tuned from ``model.pretrained``)."""
     if source is None:
         return
-    for name in TOKENIZER_FILES:
+    for name in HF_TOKENIZER_FILES:
         if (Path(source) / name).is_file():
             shutil.copy2(Path(source) / name, dst / name)
 

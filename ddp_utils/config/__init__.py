@@ -32,7 +32,7 @@ from ddp_utils.config.data.segmentation import (
     VOCData,
 )
 from ddp_utils.config.data.shards import ShardsData, ShardStore
-from ddp_utils.config.data.text import PyStdlibData, TokenData
+from ddp_utils.config.data.text import PyStdlibData, SFTData, TokenData
 from ddp_utils.config.errors import ConfigError, UserError, whole_sentences
 from ddp_utils.config.model import (
     ConvNetModel,
@@ -94,7 +94,7 @@ __all__ = [
     "MnistSegData", "ModelConfig", "OptimConfig", "SchedConfig", "SegConvNetModel",
     "SegFolderData", "SegZooModel", "SegmentationData", "SegmentationTask", "StreamedData",
     "SyntheticData", "TaskConfig", "TorchvisionData", "TrainConfig", "TrainerConfig",
-    "VOCData", "ZooModel", "TokenData", "PyStdlibData", "GPTModel", "HFModel",
+    "VOCData", "ZooModel", "TokenData", "PyStdlibData", "SFTData", "GPTModel", "HFModel",
     "LanguageModelTask", "DetectionData", "DetFolderData", "DigitsDetData", "DetectionTask",
     "VOCDetData", "VOC_CLASSES", "DetFilesData",
     "TinyDetModel", "DetZooModel",

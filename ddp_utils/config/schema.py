@@ -234,6 +234,9 @@ class GenerateConfig:
     device: str = "auto"  # auto (cuda if there is one) | cpu | cuda
     ema: bool = False  # the checkpoint's EMA weights
     output: str | None = None  # also write the samples to this JSON file
+    # The prompt as a user turn of the model's chat template; null = as in training (a model
+    # fine-tuned on chat records gets the template)
+    chat: bool | None = None
 
     def check(self) -> None:
         check_positive("max_new_tokens", self.max_new_tokens)

@@ -6,10 +6,6 @@ one process download while the node's others wait; a folder is renamed into plac
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import hashlib
-import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -17,42 +13,17 @@ import torch
 from torch import nn
 
 from ddp_utils.config import ConfigError
-from ddp_utils.urls import fs_options, is_url, local_path
+from ddp_utils.files import local_folder
 
 WEIGHTS = ("*.safetensors", "pytorch_model*.bin")
 
 
-def cache_dir() -> Path:
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache / "ddp-recipes" / "models"
-
-
 def model_folder(where: str, storage_options: dict[str, Any] | None = None) -> Path:
     """``where`` as a local folder: itself, or (a URL) this node's downloaded copy."""
-    if not is_url(where):
-        return Path(local_path(where)).expanduser()
-    import fsspec
-
-    digest = hashlib.sha1(where.rstrip("/").encode()).hexdigest()[:16]
-    folder = cache_dir() / f"{digest}-{where.rstrip('/').rsplit('/', 1)[-1]}"
-    if folder.is_dir():
-        return folder
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    with open(folder.parent / f".{folder.name}.lock", "w") as held:
-        fcntl.flock(held, fcntl.LOCK_EX)  # the node's other processes wait here
-        if folder.is_dir():
-            return folder
-        tmp = folder.with_name(f".{folder.name}.{os.getpid()}.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        fs, base = fsspec.core.url_to_fs(where, **fs_options(where, storage_options or {}))
-        try:
-            fs.get(base.rstrip("/") + "/", str(tmp), recursive=True)
-            os.replace(tmp, folder)
-        except FileNotFoundError:
-            raise ConfigError(f"model.pretrained={where}: no such folder on the store.") from None
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return folder
+    try:
+        return local_folder(where, storage_options or {}, "models")
+    except FileNotFoundError:
+        raise ConfigError(f"model.pretrained={where}: no such folder on the store.") from None
 
 
 def check_folder(folder: Path, where: str) -> None:
@@ -77,6 +48,9 @@ def load_causal_lm(where: str, vocab_size: int, overrides: dict[str, Any]) -> nn
     the lower dtype; the optimizer keeps full-precision weights), never touching the network.
     The data's vocabulary must be the model's."""
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a bar per load, on every rank, among the run's lines
 
     folder = model_folder(where)
     check_folder(folder, where)

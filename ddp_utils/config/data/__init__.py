@@ -24,7 +24,7 @@ from ddp_utils.config.data.segmentation import (
     VOCData,
 )
 from ddp_utils.config.data.shards import ShardsData
-from ddp_utils.config.data.text import PyStdlibData, TokenData
+from ddp_utils.config.data.text import PyStdlibData, SFTData, TokenData
 
 DATA_OPTIONS: dict[str, type[DataConfig]] = {
     "digits": DigitsData,
@@ -42,6 +42,7 @@ DATA_OPTIONS: dict[str, type[DataConfig]] = {
     "voc": VOCData,
     "tokens": TokenData,
     "pystdlib": PyStdlibData,
+    "sft": SFTData,
     "digits_det": DigitsDetData,
     "detfolder": DetFolderData,
     "detshards": DetShardsData,

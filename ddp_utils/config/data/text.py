@@ -124,3 +124,80 @@ class PyStdlibData(TokenData):
             return Path(self.root)
         cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
         return cache / "ddp-recipes" / "pystdlib" / self.source_key()
+
+
+TRAIN_ON = ("completion", "all")
+OVERFLOW = ("truncate", "error")
+
+
+@dataclass
+class SFTData(DataConfig):
+    """data=sft: instruction records for supervised fine-tuning, JSONL or Parquet, each
+    ``{"prompt", "completion"}`` or chat ``{"messages": [{"role", "content"}, ...]}``,
+    tokenized with the model folder's tokenizer (chat records through its chat template)."""
+
+    holds: ClassVar[str] = "tokens"
+    family: ClassVar[str] = "ddp_utils.data.text.sft"
+    identity: ClassVar[tuple[str, ...]] = DataConfig.identity + (
+        "vocab_size", "max_length", "train_on")  # fmt: skip
+    wrong_task: ClassVar[str] = TokenData.wrong_task
+
+    name: str = "sft"
+    # A folder or URL holding train.jsonl and val.jsonl (or .parquet), or one such file that
+    # data.val_fraction splits
+    root: str | None = None
+    storage_options: dict[str, Any] = field(default_factory=dict)  # fsspec's, for a URL
+    cache_dir: str | None = None  # tokenized records, per node; null = ~/.cache/ddp-recipes/sft
+    # The Hugging Face folder whose tokenizer (and chat template) encodes the records; the
+    # option's file sets it to model.pretrained
+    tokenizer: str | None = None
+    train_on: str = "completion"  # completion (the assistant turns) | all (every token)
+    max_length: int = 1024  # tokens of a record, prompt and completion together
+    overflow: str = "truncate"  # a longer record: truncate (counted in the log) | error
+    val_fraction: float = 0.05  # one file: the held-out share of its records
+    split_seed: int = 0  # one file: which records are held out
+    batch_size: int = 8  # rows per process, padded to the longest
+    eval_batch_size: int | None = None  # validation rows per batch; null = batch_size
+    vocab_size: int | None = None  # null = the model folder's (its embedding's rows)
+    # Not images: the image keys keep their defaults; num_classes is set to vocab_size.
+    in_channels: int = 1
+    image_size: int = 1
+
+    def check(self) -> None:
+        super().check()
+        if not self.root:
+            raise ConfigError(
+                "data.root=null: data=sft reads ROOT/train.jsonl and ROOT/val.jsonl (or "
+                ".parquet), or one such file split by data.val_fraction; set data.root."
+            )
+        if not self.tokenizer:
+            raise ConfigError(
+                "data.tokenizer=null: data=sft encodes its records with a model folder's "
+                "tokenizer; set model.pretrained=FOLDER (data.tokenizer follows it) or "
+                "data.tokenizer=FOLDER."
+            )
+        check_choice("data.train_on", self.train_on, TRAIN_ON)
+        check_choice("data.overflow", self.overflow, OVERFLOW)
+        check_positive("data.max_length", self.max_length)
+        if self.max_length < 2:
+            raise ConfigError(f"data.max_length={self.max_length}: a record needs at least 2 "
+                              "tokens (an input and its next token).")  # fmt: skip
+        check_positive("data.eval_batch_size", self.eval_batch_size)
+        check_positive("data.vocab_size", self.vocab_size)
+        check_holdout(self.val_fraction, None)
+        if self.mixup_alpha or self.cutmix_alpha or self.augment:
+            raise ConfigError(
+                "data=sft holds token ids: data.augment, data.mixup_alpha and "
+                "data.cutmix_alpha apply to images; leave them at their defaults."
+            )
+
+    @property
+    def block_size(self) -> int:
+        """The longest row: what the model's positions must reach."""
+        return self.max_length
+
+    def sizes(self) -> dict[str, Any]:
+        return super().sizes() | {"vocab_size": self.num_classes, "block_size": self.max_length}
+
+    def describe_inputs(self) -> str:
+        return f"rows of up to {self.max_length} token ids"

@@ -15,7 +15,12 @@ import numpy as np
 
 from ddp_utils.config import ConfigError
 
-TOKENIZER_KINDS = ("char", "bytes", "bpe")
+TOKENIZER_KINDS = ("char", "bytes", "bpe", "hf")
+# A Hugging Face folder's tokenizer, chat template and end-of-sequence ids: what data=sft
+# encodes with, and what an export copies beside the weights for the tools that load it
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                      "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt",
+                      "tokenizer.model", "generation_config.json")  # fmt: skip
 
 
 class Tokenizer:
@@ -36,6 +41,16 @@ class Tokenizer:
 
     def spec(self) -> dict[str, Any]:
         return {"kind": self.kind}
+
+    def prompt(self, text: str, chat: bool | None) -> np.ndarray:
+        """The ids a sample continues: ``text`` as it was written in training."""
+        if chat:
+            raise ValueError(f"the {self.kind} tokenizer has no chat template")
+        return self.encode(text)
+
+    def stop_ids(self) -> set[int]:
+        """The ids that end a sample (none: it runs to max_new_tokens)."""
+        return set()
 
 
 class CharTokenizer(Tokenizer):
@@ -119,6 +134,52 @@ class BPETokenizer(Tokenizer):
         return {"kind": self.kind, "json": self.json_text}
 
 
+class HFTokenizer(Tokenizer):
+    """A Hugging Face model folder's tokenizer (data=sft): its special tokens, its chat
+    template, and its end-of-sequence ids (the tokenizer's and generation_config.json's)."""
+
+    kind = "hf"
+
+    def __init__(self, folder: str, chat: bool = False, source: str | None = None) -> None:
+        from transformers import AutoTokenizer
+
+        self.folder, self.chat, self.source = folder, chat, source
+        self.impl = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        self.vocab_size = len(self.impl)
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self.impl(text)["input_ids"], dtype=np.int64)
+
+    def prompt(self, text: str, chat: bool | None) -> np.ndarray:
+        if not (self.chat if chat is None else chat):
+            return self.encode(text)
+        if not self.impl.chat_template:
+            raise ValueError(f"the tokenizer of {self.folder} has no chat template")
+        messages = [{"role": "user", "content": text}]
+        ids = self.impl.apply_chat_template(messages, add_generation_prompt=True)
+        return np.asarray(ids["input_ids"] if hasattr(ids, "keys") else ids, dtype=np.int64)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.impl.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def token_bytes(self) -> list[int]:
+        raise NotImplementedError("an HF tokenizer's ids have no fixed byte count here")
+
+    def stop_ids(self) -> set[int]:
+        import json
+        from pathlib import Path
+
+        ids = {self.impl.eos_token_id} - {None}
+        generation = Path(self.folder) / "generation_config.json"
+        if generation.is_file():
+            eos = json.loads(generation.read_text()).get("eos_token_id")
+            ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        return ids
+
+    def spec(self) -> dict[str, Any]:
+        return {"kind": self.kind, "folder": self.folder, "chat": self.chat, "source": self.source}
+
+
 def train_bpe(texts: Iterable[str], vocab_size: int) -> BPETokenizer:
     """A byte-level BPE of ``vocab_size`` ids learnt from ``texts`` (offline, in memory)."""
     try:
@@ -149,4 +210,6 @@ def from_spec(spec: dict[str, Any]) -> Tokenizer:
         return ByteTokenizer()
     if kind == "bpe":
         return BPETokenizer(spec["json"])
+    if kind == "hf":
+        return HFTokenizer(spec["folder"], bool(spec.get("chat")), spec.get("source"))
     raise ValueError(f"unknown tokenizer kind {kind!r} (known: {', '.join(TOKENIZER_KINDS)})")
