@@ -59,6 +59,8 @@ def model_folder(where: Path, arch: str = "llama", chat: bool = True, seed: int 
                                          n_positions=128, bos_token_id=tok.bos_token_id,
                                          eos_token_id=tok.eos_token_id)  # fmt: skip
     model = transformers.AutoModelForCausalLM.from_config(config)
+    # As a chat model's folder does: a turn's end also ends generation
+    model.generation_config.eos_token_id = [tok.eos_token_id, tok.convert_tokens_to_ids("<|end|>")]
     model.save_pretrained(where)
     tok.save_pretrained(where)
     return where
@@ -97,11 +99,21 @@ def exact_match(checkpoint: Path, records: list[dict], chat: bool = False) -> fl
     import torch
 
     from ddp_utils.config import GenerateConfig
-    from ddp_utils.generation import encode_prompt, load_generator, sample
+    from ddp_utils.generation import load_generator
 
     cfg = GenerateConfig(checkpoint=str(checkpoint), temperature=0.0, num_samples=1,
                          max_new_tokens=8)  # fmt: skip
     model, tok, block = load_generator(cfg, torch.device("cpu"))
+    return greedy_accuracy(model, tok, block, records, chat)
+
+
+def greedy_accuracy(model, tok, block: int, records: list[dict], chat: bool = False) -> float:
+    import torch
+
+    from ddp_utils.config import GenerateConfig
+    from ddp_utils.generation import encode_prompt, sample
+
+    cfg = GenerateConfig(checkpoint="-", temperature=0.0, num_samples=1, max_new_tokens=8)
     right = 0
     for record in records:
         if chat:
@@ -112,3 +124,42 @@ def exact_match(checkpoint: Path, records: list[dict], chat: bool = False) -> fl
         out = sample(model, ids, cfg, block, tok.vocab_size, torch.device("cpu"), tok.stop_ids())
         right += tok.decode(out[0]).strip() == answer.strip()
     return right / len(records)
+
+
+def base_accuracy(folder: Path, records: list[dict], chat: bool = False) -> float:
+    """The untrained base's accuracy, through the same generation."""
+    from ddp_utils.data.text.tokenizer import HFTokenizer
+    from ddp_utils.models.zoo import hf_causal_lm
+
+    tok = HFTokenizer(str(folder), chat)
+    vocab = -(-len(tok.impl) // 8) * 8
+    return greedy_accuracy(hf_causal_lm("", vocab, 64, pretrained=str(folder)), tok, 64,
+                           records, chat)  # fmt: skip
+
+
+def copy_records(n: int, seed: int) -> list[dict]:
+    """A neighbouring task a base model is pretrained on: the word, copied."""
+    return [{"prompt": f"shift {w} =", "completion": f" {w}"} for w in words(n, seed)]
+
+
+def pretrained_folder(where: Path, steps: int = 150, arch: str = "llama") -> Path:
+    """``model_folder`` trained (a plain loop, every token) on ``copy_records``: a base that
+    knows the format, as a published model does, for LoRA to adapt to the shift."""
+    import torch
+    import transformers
+
+    model_folder(where, arch)
+    tok = transformers.AutoTokenizer.from_pretrained(where)
+    model = transformers.AutoModelForCausalLM.from_pretrained(where)
+    texts = [r["prompt"] + r["completion"] for r in copy_records(512, 3)]
+    ids = torch.tensor([tok(t)["input_ids"] + [tok.eos_token_id] for t in texts])
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        batch = ids[torch.randint(len(ids), (32,), generator=g)]
+        loss = model(input_ids=batch, labels=batch).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.save_pretrained(where)  # its generation_config.json too, as model_folder wrote it
+    return where

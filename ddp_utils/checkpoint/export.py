@@ -1,6 +1,6 @@
 """Checkpoints as files that other tools load:
 
-    python -m ddp_utils.checkpoint export CHECKPOINT OUT --format torch|safetensors|hf [--ema]
+    python -m ddp_utils.checkpoint export CHECKPOINT OUT --format torch|safetensors|hf|adapter
     python -m ddp_utils.checkpoint DIR.dcp OUT.pt        # the same as --format torch
 
 ``CHECKPOINT`` is a file, a sharded folder, or either's URL on a store (a ``last.pt`` or
@@ -11,7 +11,10 @@ credentials.
 folder's shards gathered; the optimizer's state left behind). ``safetensors``: the model's
 weights alone, with the run's config in the file's metadata. ``hf``: a Hugging Face folder
 (``config.json``, ``model.safetensors``) for a model that declares its Hugging Face layout
-(``hf_export()``: the GPT's is GPT-2's), which ``transformers``' ``from_pretrained`` loads.
+(``hf_export()``: the GPT's is GPT-2's), which ``transformers``' ``from_pretrained`` loads;
+a LoRA run's adapters are merged into the base weights. ``adapter``: a LoRA run's adapters
+alone as peft's folder (``adapter_config.json`` naming the base folder,
+``adapter_model.safetensors``). ``--ema`` exports the EMA weights (not with ``torch``).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from ddp_utils.config import ConfigError, UserError, from_record, to_schema
 from ddp_utils.data.text.tokenizer import HF_TOKENIZER_FILES
 from ddp_utils.files import atomic_save, atomic_write_text
 
-FORMATS = ("torch", "safetensors", "hf")
+FORMATS = ("torch", "safetensors", "hf", "adapter")
 
 
 def to_single_file(src: str, dst: Path) -> None:
@@ -102,6 +105,17 @@ def to_hf_folder(src: str, dst: Path, ema: bool = False) -> None:
     atomic_write_text(dst / "ddp_recipes.json", json.dumps({"config": record}, indent=1) + "\n")
 
 
+def to_adapter_folder(src: str, dst: Path, ema: bool = False) -> None:
+    """A LoRA run's adapters as peft's folder, with the base's tokenizer files."""
+    model, record = checkpoint_model(src, ema)
+    if not hasattr(model, "save_adapter"):
+        raise ConfigError("--format adapter is for a model=hf model.lora run's checkpoint: "
+                          "export this one with --format hf or safetensors.")  # fmt: skip
+    model.save_adapter(dst)
+    copy_tokenizer(getattr(model, "hf_source", None), dst)
+    atomic_write_text(dst / "ddp_recipes.json", json.dumps({"config": record}, indent=1) + "\n")
+
+
 def copy_tokenizer(source: Path | None, dst: Path) -> None:
     """The base model folder's tokenizer files and chat template, beside the exported weights
     (a model fine-tuned from ``model.pretrained``)."""
@@ -119,7 +133,8 @@ def export(src: str, dst: Path, fmt: str, ema: bool = False) -> None:
                               "both the weights and the EMA weights.")  # fmt: skip
         to_single_file(src, dst)
     else:
-        (to_safetensors if fmt == "safetensors" else to_hf_folder)(src, dst, ema)
+        writer = {"safetensors": to_safetensors, "hf": to_hf_folder, "adapter": to_adapter_folder}
+        writer[fmt](src, dst, ema)
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

@@ -11,12 +11,13 @@ from torch import nn
 from ddp_utils.checkpoint.format import SHARDED_DIR, read_sharded, summary
 from ddp_utils.config import ConfigError, TrainConfig, whole_sentences
 from ddp_utils.models import build_model
+from ddp_utils.models.saved import load_saved_state, saved_state
 
 
 def load_model_state(model: nn.Module, state: dict[str, Any], where: str, fix: str) -> None:
     """Load a state dict, turning a shape or key mismatch into a message the user can act on."""
     try:
-        model.load_state_dict(state)
+        load_saved_state(model, state)
     except RuntimeError as e:
         lines = [line.strip() for line in str(e).splitlines()[1:] if line.strip()]
         detail = (whole_sentences(lines[0]) if lines else "") or summary(e)
@@ -34,7 +35,7 @@ def model_weights(
         if ema and "model_ema" not in ckpt["sharded"]:
             raise ConfigError(f"ema=true but checkpoint={checkpoint} holds no EMA weights: "
                               "train with trainer.ema_decay, or drop ema=true.")  # fmt: skip
-        template = {"model": model.state_dict()}
+        template = {"model": saved_state(model, model.state_dict())}
         read_sharded(ckpt, {"model_ema": template} if ema else template, alone=True)
         return template["model"]
     if not ema:

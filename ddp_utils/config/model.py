@@ -187,6 +187,29 @@ class GPTModel(ModelConfig):
 
 
 @dataclass
+class LoRAOptions:
+    """model.lora: low-rank adapters (peft) on a pretrained model's linear layers; only they
+    train, and only they (with their optimizer state) go into checkpoints."""
+
+    r: int = 0  # the adapters' rank; 0 = full fine-tuning (every weight trains)
+    alpha: float = 16.0  # the adapters' scale is alpha / r
+    dropout: float = 0.0  # on the adapters' input
+    # The layers that get adapters, by name (q_proj, v_proj, ...); null = every linear layer
+    # but the output head
+    target_modules: list[str] | None = None
+
+    def check(self) -> None:
+        check_positive("model.lora.r", self.r, allow_zero=True)
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model.lora.dropout={self.dropout} must lie in [0, 1).")
+        if self.target_modules is not None and not self.target_modules:
+            raise ConfigError(
+                "model.lora.target_modules=[] adapts nothing: name layers (q_proj, v_proj, "
+                "...) or leave it null for every linear layer."
+            )
+
+
+@dataclass
 class HFModel(ModelConfig):
     """model=hf: a Hugging Face transformers causal LM, built from its configuration alone
     (sized by data.vocab_size and data.block_size) or loaded with its weights from
@@ -200,16 +223,23 @@ class HFModel(ModelConfig):
     # A Hugging Face model folder (config.json, *.safetensors) or its fsspec URL: its
     # architecture and weights, read without any network access (model.arch is not used)
     pretrained: str | None = None
+    lora: LoRAOptions = field(default_factory=LoRAOptions)
 
     def describe(self) -> str:
         if self.pretrained:
-            return f"model=hf model.pretrained={self.pretrained}"
+            lora = f" model.lora.r={self.lora.r}" if self.lora.r else ""
+            return f"model=hf model.pretrained={self.pretrained}{lora}"
         return super().describe()
 
     def check(self) -> None:
         if not self.arch and not self.pretrained:
             raise ConfigError("model=hf needs model.arch=NAME (gpt2, llama, ...) or "
                               "model.pretrained=FOLDER.")  # fmt: skip
+        self.lora.check()
+        if self.lora.r and not self.pretrained:
+            raise ConfigError(f"model.lora.r={self.lora.r} adapts a pretrained model: set "
+                              "model.pretrained=FOLDER, or model.lora.r=0 to train every "
+                              "weight.")  # fmt: skip
 
 
 @dataclass

@@ -4,6 +4,7 @@ installed."""
 
 from __future__ import annotations
 
+import copy
 import difflib
 from pathlib import Path
 from typing import Any
@@ -173,20 +174,55 @@ def load_backbone(backbone: nn.Module, path: str) -> None:
 
 
 class CausalLM(nn.Module):
-    """A transformers causal LM as an (N, T) ids -> (N, T, vocab) logits module."""
+    """A transformers causal LM as an (N, T) ids -> (N, T, vocab) logits module; with LoRA,
+    a peft model whose base is frozen and left out of checkpoints (``saves_frozen``)."""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
         self.hf_source: Path | None = None  # the pretrained folder it was loaded from
+        self.saves_frozen = not hasattr(model, "merge_and_unload")  # peft: adapters only
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=idx, use_cache=False).logits
 
+    def fsdp_units(self) -> list[nn.Module]:
+        """The decoder blocks (transformers' ``_no_split_modules``), innermost first."""
+        names = set(getattr(self.model, "_no_split_modules", None) or [])
+        return [m for m in self.model.modules() if type(m).__name__ in names] or [self.model]
+
     def hf_export(self) -> tuple[str, dict[str, Any], dict[str, torch.Tensor]]:
-        """Its own transformers configuration and weights, as they are."""
-        config = self.model.config
-        return type(config).__name__, config.to_dict(), self.model.state_dict()
+        """Its own transformers configuration and weights (LoRA's merged into a copy)."""
+        model = self.model
+        if not self.saves_frozen:
+            model = copy.deepcopy(model).merge_and_unload()
+        config = model.config
+        return type(config).__name__, config.to_dict(), model.state_dict()
+
+    def save_adapter(self, folder: Path) -> None:
+        """The LoRA adapters as peft's folder (adapter_config.json naming the base folder,
+        adapter_model.safetensors), which peft, transformers and vLLM load on the base."""
+        if self.saves_frozen:
+            raise ConfigError("--format adapter is for a model.lora run: this checkpoint "
+                              "trained every weight; export it with --format hf.")  # fmt: skip
+        self.model.peft_config["default"].base_model_name_or_path = str(self.hf_source)
+        self.model.save_pretrained(folder)
+
+
+def with_lora(model: nn.Module, lora: Any) -> nn.Module:
+    """``model`` with peft's LoRA adapters (``model.lora``); its own weights frozen."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise ConfigError("model.lora needs the peft package: pip install -e '.[hf]'.") from None
+    keys = lora if isinstance(lora, dict) else vars(lora)
+    config = LoraConfig(r=keys["r"], lora_alpha=keys["alpha"], lora_dropout=keys["dropout"],
+                        target_modules=keys["target_modules"] or "all-linear",
+                        task_type="CAUSAL_LM")  # fmt: skip
+    try:
+        return get_peft_model(model, config)
+    except ValueError as e:
+        raise ConfigError(f"model.lora.target_modules={keys['target_modules']}: {e}") from None
 
 
 def hf_causal_lm(
@@ -195,6 +231,7 @@ def hf_causal_lm(
     block_size: int,
     overrides: dict[str, Any] | None = None,
     pretrained: str | None = None,
+    lora: Any = None,
 ) -> nn.Module:
     """model=hf: ``transformers``' ``arch`` built from its configuration class alone (no
     weights or files fetched), with ``vocab_size``, the context ``block_size`` and
@@ -209,7 +246,9 @@ def hf_causal_lm(
     if pretrained:
         from ddp_utils.models.pretrained import load_causal_lm, model_folder
 
-        model = CausalLM(load_causal_lm(pretrained, vocab_size, overrides or {}))
+        base = load_causal_lm(pretrained, vocab_size, overrides or {})
+        rank = (lora.get("r") if isinstance(lora, dict) else getattr(lora, "r", 0)) or 0
+        model = CausalLM(with_lora(base, lora) if rank else base)
         model.hf_source = model_folder(pretrained)  # its tokenizer files, for the export
         return model
     if arch not in CONFIG_MAPPING:

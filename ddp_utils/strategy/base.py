@@ -16,6 +16,7 @@ from ddp_utils.config import ConfigError, TrainerConfig
 from ddp_utils.dist import Runtime, broadcast_buffers
 from ddp_utils.models import memory_format_of
 from ddp_utils.models.ema import EMA
+from ddp_utils.models.saved import load_saved_state, saved_state
 
 
 def model_units(model: nn.Module, wrap: list[str] | None, key: str) -> list[nn.Module]:
@@ -216,10 +217,10 @@ class Strategy:
         """Restore what ``state_dict()`` returned, saved at ``world_size``."""
 
     def model_state_dict(self) -> dict[str, Any]:
-        return self.raw_model.state_dict()
+        return saved_state(self.raw_model, self.raw_model.state_dict())
 
     def load_model_state_dict(self, state: dict[str, Any]) -> None:
-        self.raw_model.load_state_dict(state)
+        load_saved_state(self.raw_model, state)
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         return optimizer.state_dict()

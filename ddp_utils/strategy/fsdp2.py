@@ -45,6 +45,7 @@ from ddp_utils.config import ConfigError, TrainerConfig, UserError
 from ddp_utils.dist import Runtime, broadcast_buffers
 from ddp_utils.logs import log
 from ddp_utils.models import memory_format_of
+from ddp_utils.models.saved import saves_frozen
 from ddp_utils.strategy.base import Strategy, model_units
 
 
@@ -269,10 +270,13 @@ class FSDP2Strategy(Strategy):
         return ShardedEMA(self.ema_twin, decay, every_steps)
 
     def model_state_dict(self) -> dict[str, Any]:
-        return get_model_state_dict(self.raw_model)
+        frozen_out = not saves_frozen(self.raw_model)
+        options = StateDictOptions(ignore_frozen_params=frozen_out)
+        return get_model_state_dict(self.raw_model, options=options)
 
     def load_model_state_dict(self, state: dict[str, Any]) -> None:
-        set_model_state_dict(self.raw_model, state)
+        options = StateDictOptions(strict=saves_frozen(self.raw_model))
+        set_model_state_dict(self.raw_model, state, options=options)
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         return get_optimizer_state_dict(self.raw_model, optimizer)
