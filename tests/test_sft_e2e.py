@@ -1,7 +1,7 @@
 """Supervised fine-tuning end to end with torchrun at world size 2: a pretrained folder made
 here (a tiny Llama that learnt to copy a word) fine-tuned on a task it cannot do (shift each
 letter: "abcd" -> "bcde"), fully under ddp on chat records and with LoRA under fsdp2 on
-prompt/completion records. Each reaches an exact-match accuracy of greedy generation on
+packed prompt/completion records. Each reaches an exact-match accuracy of greedy generation on
 held-out words that the base does not; a SIGKILL mid-epoch and relaunch ends equal to the
 uninterrupted run; eval.py gives the same numbers at world sizes 1, 2 and 3, equal to a plain
 transformers loop's loss; the exports load in transformers and peft with our logits."""
@@ -15,9 +15,9 @@ import sys
 import pytest
 import torch
 from callbacks import fault
-from helpers.launch import child_env, our_error_lines, run_script
+from helpers.launch import child_env, run_script
 from helpers.paths import ROOT
-from helpers.runs import assert_same_params, eval_at_world_sizes, params
+from helpers.runs import assert_same_params, eval_at_world_sizes, params, whole_checkpoint
 from sft_data import (
     base_accuracy,
     exact_match,
@@ -33,7 +33,8 @@ HELD_OUT = shift_records(40, seed=7)
 ACCURACY = 0.9  # both runs reach 1.0 here; the base reaches 0.0
 RUNS = {
     "ddp_full_chat": ("trainer.strategy=ddp", "optim.lr=3e-3"),
-    "fsdp2_lora": ("trainer.strategy=fsdp2", "model.lora.r=8", "optim.lr=1e-2"),
+    "fsdp2_lora_packed": ("trainer.strategy=fsdp2", "model.lora.r=8", "optim.lr=1e-2",
+                          "data.packing=true", "data.max_length=64"),
 }
 
 
@@ -82,7 +83,7 @@ def test_fine_tuning_learns_what_the_base_cannot(setup, runs, name):
     assert exact_match(last(runs[name]), held_out, chat) >= ACCURACY
 
 
-@pytest.mark.parametrize("name, kill", [("ddp_full_chat", 57), ("fsdp2_lora", 77)])
+@pytest.mark.parametrize("name, kill", [("ddp_full_chat", 57), ("fsdp2_lora_packed", 77)])
 def test_sigkill_mid_epoch_and_relaunch_ends_equal_to_the_uninterrupted_run(
     setup, runs, tmp_path, name, kill
 ):
@@ -101,11 +102,14 @@ def test_a_lora_checkpoint_holds_the_adapters_and_exports_merged_or_as_peft_fold
     from peft import PeftModel
 
     _, base = setup
-    state = params(runs["fsdp2_lora"])
-    assert state and all("lora_" in k for k in state)
-    full = params(runs["ddp_full_chat"])
-    assert sum(v.numel() for v in state.values()) < 0.05 * sum(v.numel() for v in full.values())
-    src = last(runs["fsdp2_lora"])
+    src = last(runs["fsdp2_lora_packed"])
+    ckpt = whole_checkpoint(src)
+    adapters = sum(v.numel() for v in ckpt["model"].values())
+    assert ckpt["model"] and all("lora_" in k for k in ckpt["model"])
+    assert adapters < 0.2 * sum(v.numel() for v in params(runs["ddp_full_chat"]).values())
+    moments = [v for s in ckpt["optimizer"]["state"].values() for k, v in s.items()
+               if k in ("exp_avg", "exp_avg_sq")]  # fmt: skip
+    assert sum(v.numel() for v in moments) == 2 * adapters  # AdamW's, of the adapters alone
     for fmt in ("hf", "adapter"):
         export(src, tmp_path / fmt, fmt)
     merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
@@ -128,7 +132,9 @@ def test_eval_is_identical_at_any_world_size_and_equals_a_plain_transformers_loo
     src = last(runs["ddp_full_chat"])
     results = eval_at_world_sizes(src, tmp_path)
     first = results[None]
-    assert all(r["metrics"] == first["metrics"] for r in results.values()), results
+    assert first["num_samples"] == 64
+    for r in results.values():  # the same, to the last digit
+        assert (r["loss"], r["perplexity"]) == (first["loss"], first["perplexity"]), results
     export(src, tmp_path / "hf", "hf")
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
@@ -143,20 +149,23 @@ def test_eval_is_identical_at_any_world_size_and_equals_a_plain_transformers_loo
             loss = model(input_ids=torch.tensor([ids]), labels=labels).loss
             n = int((labels[:, 1:] != -100).sum())
             total, count = total + float(loss) * n, count + n
-    assert first["metrics"]["loss"] == pytest.approx(total / count, rel=1e-5)
+    assert first["loss"] == pytest.approx(total / count, rel=1e-5)
 
 
 def test_a_bad_record_stops_every_rank_with_one_line_naming_it(setup, tmp_path):
     root, base = setup
     empty = {"prompt": "shift abcd =", "completion": ""}
     data = write_jsonl(tmp_path / "d" / "train.jsonl", shift_records(10, 0) + [empty])
-    proc = run_script("train.py", "experiment=sft", f"data.root={data}",
-                      f"model.pretrained={base}", f"data.cache_dir={tmp_path / 'c'}",
-                      f"run_dir={tmp_path / 'run'}", "logger=none", nproc=2,
-                      check=False)  # fmt: skip
+    cmd = [sys.executable, "-m", "ddp_utils.launch", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "train.py"), "experiment=sft", f"data.root={data}",
+           f"model.pretrained={base}", f"data.cache_dir={tmp_path / 'c'}",
+           f"run_dir={tmp_path / 'run'}", "logger=none"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
     assert proc.returncode == 2, proc.stderr[-3000:]
-    lines = our_error_lines(proc.stderr)
-    assert len(lines) == 1 and "train.jsonl:11: the completion is empty" in lines[0], lines
+    printed = [x for x in proc.stderr.splitlines() if x.startswith("error: ")]
+    assert len(printed) == 1 and "train.jsonl:11: the completion is empty" in printed[0]
+    assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()
 
 
 def export(src, out, fmt: str) -> None:

@@ -164,3 +164,32 @@ def test_the_vocabulary_is_the_model_embeddings_rows_past_the_tokenizers_ids(fol
     cfg = options(folder, write_jsonl(tmp_path / "t.jsonl", shift_records(20, 0)), tmp_path)
     rows = json.loads((folder / "config.json").read_text())["vocab_size"]
     assert cfg.vocab_size == cfg.num_classes == rows > len(tokenizer())
+
+
+def test_packed_rows_keep_records_apart_and_give_the_unpacked_loss(folder, tmp_path):
+    from ddp_utils.models.zoo import hf_causal_lm
+
+    cfg = options(folder, write_jsonl(tmp_path / "d" / "train.jsonl", shift_records(30, 0)),
+                  tmp_path, packing=True, max_length=48)  # fmt: skip
+    packed = sft.Records(sft.prepared(cfg) / "train.npz", cfg.max_length)
+    plain = sft.Records(sft.prepared(cfg) / "train.npz")
+    assert packed.rows[0] == 0 and packed.rows[-1] == len(plain) and len(packed) < len(plain)
+    assert max(len(packed.sample(k)[0]) for k in range(len(packed))) <= cfg.max_length - 1
+    model = hf_causal_lm("", cfg.vocab_size, cfg.max_length, pretrained=str(folder)).eval()
+    assert model.packs_records
+    task = LanguageModel(cfg.vocab_size, cfg.max_length)
+    rows = np.arange(len(packed))
+    x, y = sft.RecordLoader(packed, rows, 4, RT.device, 0).batch(rows)
+    assert x.shape[1] == 2  # ids over positions
+    a, b = sft.RecordLoader(plain, np.arange(len(plain)), 4, RT.device, 0).batch(
+        np.arange(len(plain)))  # fmt: skip
+    with torch.no_grad():
+        together, apart = task.loss_sum(model(x), y), task.loss_sum(model(a), b)
+    assert (y != IGNORE_LABEL).sum() == (b != IGNORE_LABEL).sum()
+    assert together.item() == pytest.approx(apart.item(), rel=1e-5)
+
+
+def test_packing_is_refused_for_a_model_that_cannot_keep_records_apart():
+    task = LanguageModel(16, 8)
+    with pytest.raises(ConfigError, match="data.packing=true: this model cannot keep packed"):
+        task.forward(torch.nn.Identity(), torch.zeros(1, 2, 4, dtype=torch.long))

@@ -182,8 +182,13 @@ class CausalLM(nn.Module):
         self.model = model
         self.hf_source: Path | None = None  # the pretrained folder it was loaded from
         self.saves_frozen = not hasattr(model, "merge_and_unload")  # peft: adapters only
+        self.packs_records = keeps_packed_records_apart(model)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """(N, T) ids, or packed rows' (N, 2, T) ids over positions: a position that restarts
+        at 0 starts a record, which attends to its own tokens alone."""
+        if idx.dim() == 3:
+            return self.model(input_ids=idx[:, 0], position_ids=idx[:, 1], use_cache=False).logits
         return self.model(input_ids=idx, use_cache=False).logits
 
     def fsdp_units(self) -> list[nn.Module]:
@@ -207,6 +212,20 @@ class CausalLM(nn.Module):
                               "trained every weight; export it with --format hf.")  # fmt: skip
         self.model.peft_config["default"].base_model_name_or_path = str(self.hf_source)
         self.model.save_pretrained(folder)
+
+
+def keeps_packed_records_apart(model: nn.Module) -> bool:
+    """Whether transformers builds the architecture's attention from ``position_ids`` without
+    a cache (``masking_utils.create_causal_mask``: packed records kept apart); an older one
+    would let a packed record see the one before it."""
+    import inspect
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    module = inspect.getmodule(type(base))
+    try:
+        return module is not None and "create_causal_mask(" in inspect.getsource(module)
+    except OSError:  # no source to read
+        return False
 
 
 def with_lora(model: nn.Module, lora: Any) -> nn.Module:

@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn import functional as F
 from torchmetrics import Metric
 
+from ddp_utils.config import ConfigError
 from ddp_utils.data.samplers import IGNORE_LABEL
 from ddp_utils.tasks.base import Batch, Task
 
@@ -69,13 +70,24 @@ class LanguageModel(Task):
             logits.flatten(0, 1), target.flatten(), ignore_index=IGNORE_LABEL, reduction="sum"
         )
 
+    def forward(self, model: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+        if inputs.dim() == 3 and not getattr(getattr(model, "module", model), "packs_records",
+                                             False):  # fmt: skip
+            raise ConfigError(
+                "data.packing=true: this model cannot keep packed records apart (a record "
+                "would attend to the one before it); set data.packing=false, or use "
+                "model=hf with an architecture whose transformers code builds its mask with "
+                "create_causal_mask (Llama, Qwen2, Mistral, GPT-2, ...)."
+            )
+        return model(inputs)
+
     def train_loss(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.loss_sum(model(batch.inputs), batch.target), batch.count()
+        return self.loss_sum(self.forward(model, batch.inputs), batch.target), batch.count()
 
     def eval_step(
         self, model: nn.Module, batch: Batch, metrics: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = model(batch.inputs).float()
+        logits = self.forward(model, batch.inputs).float()
         metrics.update(logits, batch.target)  # the metrics take the ignore index themselves
         return self.loss_sum(logits, batch.target), batch.count()
 

@@ -139,7 +139,7 @@ class SFTData(DataConfig):
     holds: ClassVar[str] = "tokens"
     family: ClassVar[str] = "ddp_utils.data.text.sft"
     identity: ClassVar[tuple[str, ...]] = DataConfig.identity + (
-        "vocab_size", "max_length", "train_on")  # fmt: skip
+        "vocab_size", "max_length", "train_on", "packing")  # fmt: skip
     wrong_task: ClassVar[str] = TokenData.wrong_task
 
     name: str = "sft"
@@ -154,6 +154,9 @@ class SFTData(DataConfig):
     train_on: str = "completion"  # completion (the assistant turns) | all (every token)
     max_length: int = 1024  # tokens of a record, prompt and completion together
     overflow: str = "truncate"  # a longer record: truncate (counted in the log) | error
+    # Training rows of several records up to max_length, each record's positions from 0 and
+    # its attention its own (validation keeps a record a row: its numbers are unpacked ones)
+    packing: bool = False
     val_fraction: float = 0.05  # one file: the held-out share of its records
     split_seed: int = 0  # one file: which records are held out
     batch_size: int = 8  # rows per process, padded to the longest

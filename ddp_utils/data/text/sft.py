@@ -333,27 +333,52 @@ def held_out(cfg: SFTData, split: tuple[list, list], where: str) -> tuple[tuple,
 
 
 class Records:
-    """A tokenized split: record ``i`` is ``ids[offsets[i]:offsets[i + 1]]``."""
+    """A tokenized split: record ``i`` is ``ids[offsets[i]:offsets[i + 1]]``. Packed
+    (``pack``), sample ``k`` is the records ``rows[k]`` to ``rows[k + 1]``."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, pack: int | None = None) -> None:
         with np.load(path) as f:
             self.ids, self.labelled, self.offsets = f["ids"], f["labelled"], f["offsets"]
+        self.rows = packed_rows(np.diff(self.offsets), pack) if pack else None
 
     def __len__(self) -> int:
-        return len(self.offsets) - 1
+        return len(self.offsets) - 1 if self.rows is None else len(self.rows) - 1
 
     def row(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         a, b = self.offsets[i], self.offsets[i + 1]
         return self.ids[a:b], self.labelled[a:b]
 
-    def tokens(self) -> int:
-        return int(self.offsets[-1])
+    def sample(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Sample ``k``'s inputs, targets and positions: each record's ids but its last, its
+        ids shifted by one (ignored where unlabelled), positions from 0, record after record;
+        so no target and no position crosses from one record into the next."""
+        records = [k] if self.rows is None else range(self.rows[k], self.rows[k + 1])
+        parts = [self.row(i) for i in records]
+        x = np.concatenate([ids[:-1] for ids, _ in parts])
+        y = np.concatenate([np.where(m[1:], ids[1:], IGNORE_LABEL) for ids, m in parts])
+        positions = np.concatenate([np.arange(len(ids) - 1) for ids, _ in parts])
+        return x, y, positions
+
+
+def packed_rows(lengths: np.ndarray, width: int) -> np.ndarray:
+    """Row boundaries over the records in their order: a row takes records while their inputs
+    (a record's length less one) fit ``width - 1``, the inputs of one record at most."""
+    bounds, used = [0], 0
+    for i, n in enumerate(lengths.tolist()):
+        if used and used + n - 1 > width - 1:
+            bounds.append(i)
+            used = 0
+        used += n - 1
+    bounds.append(len(lengths))
+    return np.asarray(bounds, dtype=np.int64)
 
 
 class RecordLoader:
-    """Batches of (inputs, targets), each (rows, longest - 1) int64: a row's inputs are its
-    ids but the last, its targets the ids shifted by one, ignored where unlabelled or padded.
-    The sampler's padding markers get all-ignored targets."""
+    """Batches of (inputs, targets): (rows, longest) int64 inputs, a record's ids but its
+    last; targets the ids shifted by one, ignored where unlabelled or padded. Packed rows'
+    inputs are (rows, 2, longest): the ids over their positions, which restart at 0 with
+    each record (``CausalLM`` keeps records apart by them). The sampler's padding markers
+    get all-ignored targets."""
 
     def __init__(self, records: Records, sampler: Sampler, batch_size: int,
                  device: torch.device, pad_id: int) -> None:  # fmt: skip
@@ -373,15 +398,18 @@ class RecordLoader:
             yield x.to(self.device, non_blocking=pin), y.to(self.device, non_blocking=pin)
 
     def batch(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = [self.dataset.row(int(i if i >= 0 else ~i)) for i in indices]
-        width = max(len(ids) for ids, _ in rows) - 1
-        x = np.full((len(rows), width), self.pad_id, dtype=np.int64)
-        y = np.full((len(rows), width), IGNORE_LABEL, dtype=np.int64)
-        for k, (ids, labelled) in enumerate(rows):
-            n = len(ids) - 1
-            x[k, :n] = ids[:-1]
+        samples = [self.dataset.sample(int(i if i >= 0 else ~i)) for i in indices]
+        width = max(len(x) for x, _, _ in samples)
+        x = np.full((len(samples), width), self.pad_id, dtype=np.int64)
+        y = np.full((len(samples), width), IGNORE_LABEL, dtype=np.int64)
+        # The padding's positions start again from 0: a record of its own, seen by no other
+        positions = np.tile(np.arange(width), (len(samples), 1))
+        for k, (ids, targets, pos) in enumerate(samples):
+            x[k, : len(ids)], positions[k, : len(ids)] = ids, pos
             if indices[k] >= 0:
-                y[k, :n] = np.where(labelled[1:], ids[1:], IGNORE_LABEL)
+                y[k, : len(ids)] = targets
+        if self.dataset.rows is not None:
+            x = np.stack([x, positions], axis=1)
         return torch.from_numpy(x), torch.from_numpy(y)
 
 
@@ -408,7 +436,7 @@ def pad_id(cfg: SFTData) -> int:
 
 
 def loader(cfg: SFTData, rt: Runtime, split: str, sampler: Sampler | None = None) -> RecordLoader:
-    records = Records(prepared(cfg) / f"{split}.npz")
+    records = Records(prepared(cfg) / f"{split}.npz", training_pack(cfg, sampler))
     batch = cfg.batch_size if sampler is not None else cfg.eval_batch_size or cfg.batch_size
     if sampler is None:
         sampler = EvalShardSampler(len(records), rt.world_size, rt.rank, batch)
@@ -423,9 +451,15 @@ def tokenizer_spec(cfg: SFTData) -> dict[str, Any]:
             "chat": bool(stats["chat"])}  # fmt: skip
 
 
+def training_pack(cfg: SFTData, sampler: Sampler | None) -> int | None:
+    """The packed rows' width: training's (a sampler's) with data.packing; evaluation keeps a
+    record a row, so its numbers are the unpacked ones."""
+    return cfg.max_length if cfg.packing and sampler is not None else None
+
+
 def build(cfg: SFTData, rt: Runtime, seed: int, channels_last: bool | str) -> DataBundle:
-    train = Records(prepared(cfg) / "train.npz")
-    sampler = training_sampler(len(train), cfg, rt, seed)
+    packed = cfg.max_length if cfg.packing else None
+    sampler = training_sampler(len(Records(prepared(cfg) / "train.npz", packed)), cfg, rt, seed)
     return DataBundle(
         loader(cfg, rt, "train", sampler), loader(cfg, rt, "val"), sampler,
         nn.Identity(), nn.Identity(), unit=Unit("rec"),
