@@ -13,7 +13,7 @@ DEVICE ?= cpu
 export DEVICE
 
 .DEFAULT_GOAL := help
-.PHONY: help install train test test-fast docs lint format clean bench bench-gpu gpu-check bench-shards bench-data bench-seg bench-det bench-memory bench-comm bench-peer bench-profile bench-lm bench-nanogpt bench-poll bench-checkpoint recipes
+.PHONY: help install train test test-fast docs lint format clean bench bench-gpu gpu-check bench-shards bench-data bench-seg bench-det bench-memory bench-comm bench-peer bench-profile bench-lm bench-nanogpt bench-poll bench-checkpoint bench-finetune recipes
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -89,6 +89,9 @@ bench-poll: $(STAMP)  ## the stop poll's cost a step at world sizes 2, 8, 16, 32
 bench-checkpoint: $(STAMP)  ## checkpoint saves: the step blocked, sync vs async, local vs S3, GPT-2 124M fsdp2 and ResNet-50 ddp; upload vs boto3 (~10 min)
 	$(BIN)/python -c "import boto3" 2>/dev/null || $(BIN)/python -m pip install -q -e '.[bench,s3]'
 	$(BIN)/python bench/bench_checkpoint.py $(ARGS)
+
+bench-finetune: $(STAMP)  ## fine-tuning a GPT-2-124M-sized HF model: full vs LoRA, ddp vs fsdp2, vs a plain transformers loop; tokens/s and memory a rank (~10 min)
+	$(BIN)/python bench/bench_finetune.py $(ARGS)
 
 recipes: $(STAMP)  ## the recipes' accuracy over 3 held-out slices x 3 seeds x 3 lrs (~30 min)
 	$(BIN)/python bench/recipes.py

@@ -90,6 +90,28 @@ def test_weights_load_and_a_head_of_another_class_count_is_reinitialised(tmp_pat
                     DataConfig())  # fmt: skip
 
 
+@pytest.mark.parametrize("group, arch, layers", [
+    ("torchvision_seg", "lraspp_mobilenet_v3_large",
+     "classifier.high_classifier, classifier.low_classifier"),
+    ("torchvision_det", "fasterrcnn_mobilenet_v3_large_320_fpn",
+     "roi_heads.box_predictor.bbox_pred, roi_heads.box_predictor.cls_score"),
+])  # fmt: skip
+def test_segmentation_and_detection_weights_get_a_new_head_for_another_class_count(
+    tmp_path, caplog, group, arch, layers
+):
+    cfg = compose_config(f"model={group}", f"model.arch={arch}").model
+    source = build_model(cfg, DataConfig(image_size=64, num_classes=5, **RGB))
+    torch.save(source.state_dict(), tmp_path / "w.pt")
+    with caplog.at_level("INFO", logger="ddp_recipes"):
+        model = build_model(replace(cfg, weights=str(tmp_path / "w.pt")),
+                            DataConfig(image_size=64, num_classes=3, **RGB))  # fmt: skip
+    assert f"replaced layers {layers} (sized for another class count" in caplog.text
+    theirs = source.state_dict()
+    kept = [k for k, v in model.state_dict().items() if v.shape == theirs[k].shape]
+    assert kept and all(torch.equal(model.state_dict()[k], theirs[k]) for k in kept)
+    assert len(kept) < len(theirs)
+
+
 def test_a_torchvision_weights_name_is_read_from_the_hub_cache_without_network(
     tmp_path, monkeypatch, caplog
 ):
@@ -111,7 +133,7 @@ def test_a_torchvision_weights_name_is_read_from_the_hub_cache_without_network(
     with caplog.at_level("INFO", logger="ddp_recipes"):
         model = build_model(cfg, data)
     assert torch.equal(model.layer4[1].conv2.weight, imagenet.layer4[1].conv2.weight)
-    assert model.fc.out_features == 10 and "fc.weight" in caplog.text
+    assert model.fc.out_features == 10 and "replaced layers fc " in caplog.text
     with pytest.raises(ConfigError, match="neither a file nor a torchvision weights name"):
         build_model(replace(cfg, weights="ResNet18_Weights.NOPE"), data)
 

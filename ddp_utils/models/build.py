@@ -55,7 +55,7 @@ def build_model(cfg: ModelConfig, data: DataConfig, num_outputs: int | None = No
             f"model._target_={cfg._target_} returned {type(model).__name__}, not a torch.nn.Module."
         )
     if cfg.weights:
-        load_weights(model, cfg.weights)
+        load_weights(model, cfg.weights, args.get("num_classes"))
     return model
 
 
@@ -65,12 +65,16 @@ def memory_format_of(channels_last: bool | str) -> torch.memory_format:
     return torch.channels_last if channels_last_on(channels_last) else torch.contiguous_format
 
 
-def classifier_keys(model: nn.Module) -> set[str]:
-    """The state-dict keys of the last Linear layer: the classification head."""
-    linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
-    if not linears:
-        return set()
-    return {f"{linears[-1]}.{p}" for p, _ in model.get_submodule(linears[-1]).named_parameters()}
+def sized_by_classes(own: torch.Tensor, theirs: torch.Tensor, num_classes: int | None) -> bool:
+    """Whether a tensor that differs from the weights' differs only by the class count: its
+    first dimension a multiple of the classes (a classifier's rows, a detector's boxes per
+    class, a segmentation head's output channels), the rest the same."""
+    return (
+        num_classes is not None
+        and own.ndim == theirs.ndim
+        and own.shape[1:] == theirs.shape[1:]
+        and own.shape[0] % num_classes == 0
+    )
 
 
 WEIGHTS_NAME = re.compile(r"^\w+_Weights\.\w+$")  # torchvision's: ResNet50_Weights.IMAGENET1K_V2
@@ -118,13 +122,14 @@ def read_state_dict(path: str, key: str) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_weights(model: nn.Module, path: str) -> None:
-    """Start from a local state dict (a bare one, or a train.py checkpoint's ``model``); a head
-    sized for another class count is left re-initialised, and the log says so."""
+def load_weights(model: nn.Module, path: str, num_classes: int | None = None) -> None:
+    """Start from a local state dict (a bare one, or a train.py checkpoint's ``model``); the
+    layers sized by another class count (a classification, segmentation or detection head)
+    are left re-initialised, and the log names them."""
     state = read_state_dict(path, "model.weights")
     own = model.state_dict()
     misfit = {k for k, v in state.items() if k in own and own[k].shape != v.shape}
-    head = classifier_keys(model)
+    head = {k for k in misfit if sized_by_classes(own[k], state[k], num_classes)}
     if misfit - head:
         raise ConfigError(
             f"model.weights={path} does not fit model._target_ (shapes differ at "
@@ -141,8 +146,6 @@ def load_weights(model: nn.Module, path: str) -> None:
         )
     log.info("model.weights=%s loaded", path)
     if misfit:
-        log.info(
-            "model.weights: the classifier head (%s) has another class count there; it is "
-            "re-initialised for %d classes", ", ".join(sorted(misfit)),
-            model.get_submodule(next(iter(misfit)).rpartition(".")[0]).out_features,
-        )  # fmt: skip
+        layers = sorted({k.rpartition(".")[0] for k in misfit})
+        log.info("model.weights: replaced layers %s (sized for another class count there), "
+                 "re-initialised for %d classes", ", ".join(layers), num_classes)  # fmt: skip
