@@ -13,7 +13,7 @@ DEVICE ?= cpu
 export DEVICE
 
 .DEFAULT_GOAL := help
-.PHONY: help install train test test-fast docs lint format clean bench bench-gpu gpu-check bench-shards bench-data bench-seg bench-det bench-memory bench-comm bench-peer bench-profile bench-lm bench-nanogpt bench-poll bench-checkpoint bench-finetune recipes
+.PHONY: help install train test test-fast docs lint format clean bench bench-gpu gpu-check bench-shards bench-data bench-seg bench-det bench-memory bench-comm bench-peer bench-profile bench-lm bench-nanogpt bench-poll bench-checkpoint bench-finetune recipes recipe-sft
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -95,6 +95,9 @@ bench-finetune: $(STAMP)  ## fine-tuning a GPT-2-124M-sized HF model: full vs Lo
 
 recipes: $(STAMP)  ## the recipes' accuracy over 3 held-out slices x 3 seeds x 3 lrs (~30 min)
 	$(BIN)/python bench/recipes.py
+
+recipe-sft: $(STAMP)  ## the fine-tuning recipe's exact-match range: full and LoRA, 3 data splits x 3 seeds (~10 min)
+	$(BIN)/python bench/recipe_sft.py $(ARGS)
 
 lint: $(STAMP)  ## ruff check and format check
 	$(BIN)/ruff check .

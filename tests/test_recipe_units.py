@@ -138,6 +138,35 @@ def test_a_torchvision_weights_name_is_read_from_the_hub_cache_without_network(
         build_model(replace(cfg, weights="ResNet18_Weights.NOPE"), data)
 
 
+def test_a_timm_weights_name_is_read_from_the_hub_caches_without_network(
+    tmp_path, monkeypatch, caplog
+):
+    """``model.weights=timm/resnet18.a1_in1k``: timm's file in the Hugging Face hub cache (or,
+    for weights timm still fetches by URL, the torch hub cache); missing, both are named."""
+    timm = pytest.importorskip("timm")
+    import huggingface_hub.constants
+    from safetensors.torch import save_file
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hf"))
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    cfg = replace(compose_config("model=timm", "model.arch=resnet18").model,
+                  weights="timm/resnet18.a1_in1k")  # fmt: skip
+    data = DataConfig(image_size=64, num_classes=10, **RGB)
+    with pytest.raises(ConfigError, match="is in neither the Hugging Face hub cache .* nor "
+                                          ".*resnet18_a1_0-d63eafa0.pth"):  # fmt: skip
+        build_model(cfg, data)
+    imagenet = timm.create_model("resnet18", num_classes=1000)
+    repo = tmp_path / "hf" / "models--timm--resnet18.a1_in1k"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("abc")
+    (repo / "snapshots" / "abc").mkdir(parents=True)
+    save_file(imagenet.state_dict(), repo / "snapshots" / "abc" / "model.safetensors")
+    with caplog.at_level("INFO", logger="ddp_recipes"):
+        model = build_model(cfg, data)
+    assert torch.equal(model.layer4[1].conv2.weight, imagenet.layer4[1].conv2.weight)
+    assert model.fc.out_features == 10 and "replaced layers fc " in caplog.text
+
+
 def test_label_smoothing_is_the_textbook_formula():
     torch.manual_seed(0)
     logits, labels = torch.randn(6, 4), torch.tensor([0, 3, 1, IGNORE_LABEL, 2, 2])

@@ -102,13 +102,52 @@ def hub_file(name: str, key: str) -> str:
     return str(path)
 
 
+def timm_file(name: str, key: str) -> str:
+    """A timm weights name (``timm/resnet18.a1_in1k``: its Hugging Face hub id) as the file
+    timm would have downloaded, in the Hugging Face hub cache (``HF_HOME``) or the torch hub
+    cache (``TORCH_HOME``); nothing is downloaded here."""
+    try:
+        import timm
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        raise ConfigError(f"{key}={name} needs timm: pip install -e '.[timm]'.") from None
+    cfg = timm.models.get_pretrained_cfg(name.removeprefix("timm/"))
+    if cfg is None:
+        raise ConfigError(f"{key}={name} is neither a file nor a timm weights name (such as "
+                          "timm/resnet18.a1_in1k).")  # fmt: skip
+    places = []
+    if cfg.hf_hub_id:
+        for file in (cfg.hf_hub_filename, "model.safetensors", "pytorch_model.bin"):
+            found = try_to_load_from_cache(cfg.hf_hub_id, file) if file else None
+            if isinstance(found, str):
+                return found
+        places.append(f"the Hugging Face hub cache ({cfg.hf_hub_id})")
+    if cfg.url:
+        path = Path(torch.hub.get_dir()) / "checkpoints" / Path(cfg.url).name
+        if path.is_file():
+            return str(path)
+        places.append(str(path))
+    raise ConfigError(
+        f"{key}={name} is in neither {' nor '.join(places)}, and nothing is downloaded here. "
+        f"Fetch it where there is a network (timm.create_model('{name.removeprefix('timm/')}', "
+        "pretrained=True)) and copy the cache (HF_HOME or TORCH_HOME), or give the file's path."
+    )
+
+
 def read_state_dict(path: str, key: str) -> dict[str, torch.Tensor]:
-    """A state dict saved with ``torch.save`` (bare, or a train.py checkpoint's ``model``), or
-    a torchvision weights name found in the torch hub cache, read with ``weights_only=True``;
-    ``key`` names the config key in the errors."""
+    """A state dict saved with ``torch.save`` (bare, or a train.py checkpoint's ``model``) or
+    as safetensors, or a torchvision (``ResNet50_Weights.IMAGENET1K_V2``) or timm
+    (``timm/resnet18.a1_in1k``) weights name found in the hub caches; ``key`` names the config
+    key in the errors."""
     if WEIGHTS_NAME.match(path) and not Path(path).exists():
         path = hub_file(path, key)
+    elif path.startswith("timm/") and not Path(path).exists():
+        path = timm_file(path, key)
     try:
+        if str(path).endswith(".safetensors") and Path(path).is_file():
+            from safetensors.torch import load_file
+
+            return load_file(path)
         state = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise ConfigError(f"{key}={path}: no such file.") from None
