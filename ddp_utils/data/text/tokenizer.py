@@ -144,7 +144,13 @@ class HFTokenizer(Tokenizer):
         from transformers import AutoTokenizer
 
         self.folder, self.chat, self.source = folder, chat, source
-        self.impl = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        try:
+            self.impl = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        except OSError:
+            raise ConfigError(
+                f"the tokenizer folder {folder} (data.tokenizer={source}) the checkpoint was "
+                "trained with is gone: restore it (the model folder, or its export's copy)."
+            ) from None
         self.vocab_size = len(self.impl)
 
     def encode(self, text: str) -> np.ndarray:
