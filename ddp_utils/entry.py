@@ -22,6 +22,7 @@ from ddp_utils.dist import read_launch_env
 from ddp_utils.lifecycle.exit import (
     USER_ERROR_EXIT,
     exit_stuck,
+    leave,
     report,
     stop_for_lost_peer,
 )
@@ -85,8 +86,13 @@ def clean_exit() -> Iterator[None]:
             raise  # Hydra records this job as failed and the sweep goes on to the next one
         report(str(e), getattr(e, "exit_code", USER_ERROR_EXIT), e.rank_specific)
     except KeyboardInterrupt:  # Ctrl-C before the training loop took over SIGINT
-        report("interrupted (Ctrl-C) before training started; nothing to save",
-               INTERRUPTED_EXIT)  # fmt: skip
+        try:
+            report("interrupted (Ctrl-C) before training started; nothing to save",
+                   INTERRUPTED_EXIT)  # fmt: skip
+        except SystemExit:
+            # Without the module teardown: a process group cut short in its start-up can
+            # abort in its threads' destructors (SIGABRT instead of the exit code)
+            leave(INTERRUPTED_EXIT)
     except Exception as e:
         why = lost_peer(e)
         if why is None or in_sweep():

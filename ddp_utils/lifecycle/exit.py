@@ -87,10 +87,10 @@ def exit_now(code: int) -> NoReturn:
     os._exit(code)
 
 
-_leaving = False  # set by leave(): the interpreter's exit ends at _skip_teardown
+_leaving: int | None = None  # set by leave(): the interpreter's exit ends at _skip_teardown
 
 
-def leave() -> NoReturn:
+def leave(code: int = 0) -> NoReturn:
     """A script's end after it finished: the interpreter's own exit (threading's exit hooks,
     which tell a ThreadPoolExecutor's workers, such as torch.compile's, to finish; non-daemon
     threads joined; the atexit handlers: multiprocessing's children, the trackers' clients),
@@ -99,13 +99,13 @@ def leave() -> NoReturn:
     handler registered when this module is first imported, so it runs after every handler
     registered later and ends the process before the module teardown."""
     global _leaving
-    _leaving = True
-    sys.exit(0)
+    _leaving = code
+    sys.exit(code)
 
 
 def _skip_teardown() -> None:
-    if _leaving:
-        exit_now(0)  # logging's own handler (registered before this one) would run after it
+    if _leaving is not None:
+        exit_now(_leaving)  # logging's own handler (registered before this one) would run after it
 
 
 atexit.register(_skip_teardown)
