@@ -48,6 +48,8 @@ def test_every_option_composes_and_validates(group, option):
             "+sched.gamma=0.99",
         ],
         ("data", "tokens"): ["model=gpt", "task=language_model"],
+        ("data", "sft"): ["model=hf", "model.pretrained=x", "task=language_model", "data.root=x"],
+        ("experiment", "sft"): ["model.pretrained=x", "data.root=x"],
         ("data", "pystdlib"): ["model=gpt", "task=language_model"],
         ("data", "digits_det"): ["model=tiny_det", "task=detection"],
         ("data", "voc_det"): ["model=tiny_det", "task=detection"],
@@ -88,6 +90,8 @@ def test_every_recipe_states_its_global_batch_and_learning_rate(recipe):
     composed = compose_train(f"experiment={recipe}")
     if "root" in composed.data:
         composed.data.root = "unused"
+    if "pretrained" in composed.model:  # experiment=sft: a model folder of the user's
+        composed.model.pretrained = "unused"
     cfg = to_schema(composed)
     text = (ROOT / "conf" / "experiment" / f"{recipe}.yaml").read_text()
     assert cfg.data.global_batch_size is not None, recipe

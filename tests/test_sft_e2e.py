@@ -33,8 +33,13 @@ HELD_OUT = shift_records(40, seed=7)
 ACCURACY = 0.9  # both runs reach 1.0 here; the base reaches 0.0
 RUNS = {
     "ddp_full_chat": ("trainer.strategy=ddp", "optim.lr=3e-3"),
-    "fsdp2_lora_packed": ("trainer.strategy=fsdp2", "model.lora.r=8", "optim.lr=1e-2",
-                          "data.packing=true", "data.max_length=64"),
+    "fsdp2_lora_packed": (
+        "trainer.strategy=fsdp2",
+        "model.lora.r=8",
+        "optim.lr=1e-2",
+        "data.packing=true",
+        "data.max_length=64",
+    ),
 }
 
 

@@ -31,6 +31,12 @@ def folder(tmp_path_factory):
     return model_folder(tmp_path_factory.mktemp("model") / "llama")
 
 
+@pytest.fixture(scope="module", params=["llama", "gpt2"])
+def families(request, tmp_path_factory):
+    """A folder of each architecture family (GPT-2's learnt positions, Llama's rotary ones)."""
+    return model_folder(tmp_path_factory.mktemp("model") / request.param, request.param)
+
+
 def options(folder, root, tmp_path, **keys) -> SFTData:
     cfg = SFTData(root=str(root), tokenizer=str(folder), cache_dir=str(tmp_path / "cache"),
                   batch_size=4, **keys)  # fmt: skip
@@ -68,7 +74,8 @@ def test_a_completion_is_labelled_with_its_end_of_sequence_and_the_prompt_is_not
     assert not labelled[: len(tok("shift abc =")["input_ids"])].any()
 
 
-def test_the_loss_is_a_plain_transformers_loops_and_prompt_labels_do_not_count(folder, tmp_path):
+def test_the_loss_is_a_plain_transformers_loops_and_prompt_labels_do_not_count(families, tmp_path):
+    folder = families
     records = shift_records(12, seed=0) + shift_records(5, seed=1, chat=True)
     cfg = options(folder, write_jsonl(tmp_path / "d" / "train.jsonl", records), tmp_path)
     model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
@@ -166,7 +173,8 @@ def test_the_vocabulary_is_the_model_embeddings_rows_past_the_tokenizers_ids(fol
     assert cfg.vocab_size == cfg.num_classes == rows > len(tokenizer())
 
 
-def test_packed_rows_keep_records_apart_and_give_the_unpacked_loss(folder, tmp_path):
+def test_packed_rows_keep_records_apart_and_give_the_unpacked_loss(families, tmp_path):
+    folder = families
     from ddp_utils.models.zoo import hf_causal_lm
 
     cfg = options(folder, write_jsonl(tmp_path / "d" / "train.jsonl", shift_records(30, 0)),
