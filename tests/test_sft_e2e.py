@@ -2,9 +2,10 @@
 here (a tiny Llama that learnt to copy a word) fine-tuned on a task it cannot do (shift each
 letter: "abcd" -> "bcde"), fully under ddp on chat records and with LoRA under fsdp2 on
 packed prompt/completion records. Each reaches an exact-match accuracy of greedy generation on
-held-out words that the base does not; a SIGKILL mid-epoch and relaunch ends equal to the
-uninterrupted run; eval.py gives the same numbers at world sizes 1, 2 and 3, equal to a plain
-transformers loop's loss; the exports load in transformers and peft with our logits."""
+held-out words that the base does not; a SIGKILL mid-epoch and relaunch of the LoRA run ends
+with adapters equal to the uninterrupted run's; eval.py gives the same numbers at world
+sizes 1, 2 and 3, equal to a plain transformers loop's loss; the exports load in
+transformers and peft with our logits."""
 
 from __future__ import annotations
 
@@ -88,7 +89,9 @@ def test_fine_tuning_learns_what_the_base_cannot(setup, runs, name):
     assert exact_match(last(runs[name]), held_out, chat) >= ACCURACY
 
 
-@pytest.mark.parametrize("name, kill", [("ddp_full_chat", 57), ("fsdp2_lora_packed", 77)])
+# ddp's whole-file resume of a family's sampler is every family's; the sharded, adapters-only
+# state with packed rows is this issue's own
+@pytest.mark.parametrize("name, kill", [("fsdp2_lora_packed", 77)])
 def test_sigkill_mid_epoch_and_relaunch_ends_equal_to_the_uninterrupted_run(
     setup, runs, tmp_path, name, kill
 ):
