@@ -228,13 +228,12 @@ def keeps_packed_records_apart(model: nn.Module) -> bool:
         return False
 
 
-def with_lora(model: nn.Module, lora: Any) -> nn.Module:
-    """``model`` with peft's LoRA adapters (``model.lora``); its own weights frozen."""
+def with_lora(model: nn.Module, keys: dict[str, Any]) -> nn.Module:
+    """``model`` with peft's LoRA adapters (``model.lora``'s keys); its own weights frozen."""
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError:
         raise ConfigError("model.lora needs the peft package: pip install -e '.[hf]'.") from None
-    keys = lora if isinstance(lora, dict) else vars(lora)
     config = LoraConfig(r=keys["r"], lora_alpha=keys["alpha"], lora_dropout=keys["dropout"],
                         target_modules=keys["target_modules"] or "all-linear",
                         task_type="CAUSAL_LM")  # fmt: skip
@@ -266,8 +265,8 @@ def hf_causal_lm(
         from ddp_utils.models.pretrained import load_causal_lm, model_folder
 
         base = load_causal_lm(pretrained, vocab_size, overrides or {})
-        rank = (lora.get("r") if isinstance(lora, dict) else getattr(lora, "r", 0)) or 0
-        model = CausalLM(with_lora(base, lora) if rank else base)
+        keys = dict(lora) if isinstance(lora, dict) else vars(lora) if lora is not None else {}
+        model = CausalLM(with_lora(base, keys) if keys.get("r") else base)
         model.hf_source = model_folder(pretrained)  # its tokenizer files, for the export
         return model
     if arch not in CONFIG_MAPPING:

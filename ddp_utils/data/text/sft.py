@@ -19,6 +19,7 @@ ignored.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -53,20 +54,29 @@ def tokenizer_folder(cfg: SFTData) -> Path:
 
 
 def open_tokenizer(cfg: SFTData) -> Any:
-    """The model folder's tokenizer, read without the network."""
+    """The model folder's tokenizer, read without the network (once a process, while its
+    files stay as they are)."""
+    folder = tokenizer_folder(cfg)
+    files = tuple((f, p.stat().st_mtime_ns, p.stat().st_size) for f in HF_TOKENIZER_FILES
+                  if (p := folder / f).is_file())  # fmt: skip
+    return _tokenizer(str(folder), files, cfg.tokenizer)
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer(where: str, files: tuple, name: str) -> Any:
     from transformers import AutoTokenizer
 
-    folder = tokenizer_folder(cfg)
-    if not folder.is_dir() or not any((folder / f).is_file() for f in HF_TOKENIZER_FILES[:2]):
+    folder = Path(where)
+    if not any(f in (HF_TOKENIZER_FILES[0], HF_TOKENIZER_FILES[1]) for f, _, _ in files):
         raise ConfigError(
-            f"data.tokenizer={cfg.tokenizer} has no tokenizer (tokenizer.json or "
+            f"data.tokenizer={name} has no tokenizer (tokenizer.json or "
             "tokenizer_config.json): give the model folder its tokenizer files, or "
             "data.tokenizer=FOLDER of the tokenizer the model was trained with."
         )
     tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     if not tok.is_fast:
         raise ConfigError(
-            f"data.tokenizer={cfg.tokenizer}: its tokenizer has no fast (tokenizers) version, "
+            f"data.tokenizer={name}: its tokenizer has no fast (tokenizers) version, "
             "which data=sft needs for its offsets."
         )
     return tok
@@ -435,11 +445,11 @@ def pad_id(cfg: SFTData) -> int:
     return int(next((i for i in (tok.pad_token_id, tok.eos_token_id) if i is not None), 0))
 
 
-def loader(cfg: SFTData, rt: Runtime, split: str, sampler: Sampler | None = None) -> RecordLoader:
-    records = Records(prepared(cfg) / f"{split}.npz", training_pack(cfg, sampler))
-    batch = cfg.batch_size if sampler is not None else cfg.eval_batch_size or cfg.batch_size
-    if sampler is None:
-        sampler = EvalShardSampler(len(records), rt.world_size, rt.rank, batch)
+def eval_loader(cfg: SFTData, rt: Runtime, split: str) -> RecordLoader:
+    """``split``'s records, a record a row, in exact evaluation shards."""
+    records = Records(prepared(cfg) / f"{split}.npz")
+    batch = cfg.eval_batch_size or cfg.batch_size
+    sampler = EvalShardSampler(len(records), rt.world_size, rt.rank, batch)
     return RecordLoader(records, sampler, batch, rt.device, pad_id(cfg))
 
 
@@ -451,21 +461,18 @@ def tokenizer_spec(cfg: SFTData) -> dict[str, Any]:
             "chat": bool(stats["chat"])}  # fmt: skip
 
 
-def training_pack(cfg: SFTData, sampler: Sampler | None) -> int | None:
-    """The packed rows' width: training's (a sampler's) with data.packing; evaluation keeps a
-    record a row, so its numbers are the unpacked ones."""
-    return cfg.max_length if cfg.packing and sampler is not None else None
-
-
 def build(cfg: SFTData, rt: Runtime, seed: int, channels_last: bool | str) -> DataBundle:
-    packed = cfg.max_length if cfg.packing else None
-    sampler = training_sampler(len(Records(prepared(cfg) / "train.npz", packed)), cfg, rt, seed)
+    """Training rows (packed with data.packing) in the resumable sampler's order, and the
+    validation records a record a row, so that its numbers are the unpacked ones."""
+    train = Records(prepared(cfg) / "train.npz", cfg.max_length if cfg.packing else None)
+    sampler = training_sampler(len(train), cfg, rt, seed)
     return DataBundle(
-        loader(cfg, rt, "train", sampler), loader(cfg, rt, "val"), sampler,
+        RecordLoader(train, sampler, cfg.batch_size, rt.device, pad_id(cfg)),
+        eval_loader(cfg, rt, "val"), sampler,
         nn.Identity(), nn.Identity(), unit=Unit("rec"),
         checkpoint_extras={"tokenizer": tokenizer_spec(cfg)},
     )  # fmt: skip
 
 
 def build_eval(cfg: SFTData, rt: Runtime, seed: int, channels_last: bool | str) -> EvalData:
-    return EvalData(loader(cfg, rt, cfg.split), nn.Identity(), None)
+    return EvalData(eval_loader(cfg, rt, cfg.split), nn.Identity(), None)
