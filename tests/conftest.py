@@ -21,6 +21,7 @@ os.environ["OMP_NUM_THREADS"] = "1"
 # loadfile), handed out in collection order, so starting with the long ones packs them best.
 LONGEST_FIRST = ("test_fsdp2_e2e", "test_checkpoint_store_e2e", "test_resume_e2e",
                  "test_imagefolder_e2e", "test_shards_e2e", "test_sft_e2e", "test_elastic_e2e",
+                 "test_kubernetes_e2e",
                  "test_accumulation_e2e", "test_detection_e2e", "test_task_shards_e2e",
                  "test_interrupt_e2e",
                  "test_slurm_e2e", "test_strategy_matrix_e2e", "test_trackers_e2e",
