@@ -69,6 +69,8 @@ def sample(
     stop = stop or set()
     g = torch.Generator(device=device).manual_seed(cfg.seed)
     x = torch.tensor(ids, dtype=torch.long, device=device).repeat(cfg.num_samples, 1)
+    ends = torch.tensor(sorted(stop), dtype=torch.long, device=device)
+    ended = torch.zeros(cfg.num_samples, dtype=torch.bool, device=device)
     with eval_mode(model):
         for _ in range(cfg.max_new_tokens):
             logits = model(x[:, -block_size:])[:, -1, :].float()
@@ -82,8 +84,10 @@ def sample(
                     logits = logits.masked_fill(logits < kth, -torch.inf)
                 nxt = torch.multinomial(logits.softmax(-1), 1, generator=g)
             x = torch.cat([x, nxt], dim=1)
-            if stop and all(any(i in stop for i in row) for row in x[:, len(ids) :].tolist()):
-                break  # every sample has ended
+            if stop:
+                ended |= torch.isin(nxt[:, 0], ends)
+                if bool(ended.all()):
+                    break  # every sample has ended
     return [until(row, stop) for row in x[:, len(ids) :].tolist()]
 
 

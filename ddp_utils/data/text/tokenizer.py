@@ -8,7 +8,9 @@ checkpoints' ``tokenizer``), so generation decodes without the data folder and
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -172,9 +174,6 @@ class HFTokenizer(Tokenizer):
         raise NotImplementedError("an HF tokenizer's ids have no fixed byte count here")
 
     def stop_ids(self) -> set[int]:
-        import json
-        from pathlib import Path
-
         ids = {self.impl.eos_token_id} - {None}
         generation = Path(self.folder) / "generation_config.json"
         if generation.is_file():
