@@ -66,6 +66,28 @@ def test_chat_records_are_the_tokenizers_own_template_and_only_assistant_turns_a
     assert every.all()
 
 
+def test_a_template_that_rewrites_earlier_turns_is_refused_for_completions_only(folder):
+    """A template that drops an earlier answer once a later turn follows (as some strip
+    reasoning) has no prefix to find a turn by: refused with train_on=completion, and every
+    token labelled with train_on=all, as the message says."""
+    tok = sft.open_tokenizer(SFTData(root="x", tokenizer=str(folder)))
+    template = tok.chat_template
+    tok.chat_template = ("{% for m in messages %}{% if m['role'] != 'assistant' or loop.last %}"
+                         "<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endif %}{% endfor %}"
+                         "{% if add_generation_prompt %}<|assistant|>{% endif %}")  # fmt: skip
+    try:
+        chat = [{"messages": [{"role": "user", "content": "a"},
+                              {"role": "assistant", "content": "b"},
+                              {"role": "user", "content": "c"},
+                              {"role": "assistant", "content": "d"}]}]  # fmt: skip
+        with pytest.raises(ConfigError, match="use data.train_on=all for this template"):
+            encode(folder, chat)
+        (_,), (every,) = encode(folder, chat, train_on="all")
+        assert every.all()
+    finally:
+        tok.chat_template = template
+
+
 def test_a_completion_is_labelled_with_its_end_of_sequence_and_the_prompt_is_not(folder):
     tok = tokenizer()
     (ids,), (labelled,) = encode(folder, [{"prompt": "shift abc =", "completion": " bcd"}])

@@ -215,6 +215,8 @@ class Encoder:
                 '({"role": "assistant", ...}) or drop the record.'
             )
         text = self.template(messages)
+        if self.cfg.train_on == "all":
+            return text, [], False  # every token labelled: no turn to find
         spans = []
         for i in turns:
             start = self.template(messages[:i], prompt=True) if i else ""
